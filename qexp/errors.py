@@ -1,0 +1,33 @@
+"""User-facing errors: one readable line saying what is wrong and how to fix it."""
+
+
+class QexpError(Exception):
+    """An error caused by the user's input or environment. Printed as one line, no traceback."""
+
+    def __init__(self, what: str, fix: str = ""):
+        self.what = what
+        self.fix = fix
+        super().__init__(f"{what}. {fix}".strip() if fix else what)
+
+
+class ConfigError(QexpError):
+    pass
+
+
+class InputError(QexpError):
+    """Missing or unreadable checkpoints, GGUF files, tokenizers, text or calibration data."""
+
+
+class TrackingError(QexpError):
+    pass
+
+
+def require_file(path: str | None, what: str, fix: str) -> str:
+    import os
+
+    if not path:
+        raise InputError(f"{what}: no path given", fix)
+    path = os.path.expanduser(path)
+    if not os.path.isfile(path):
+        raise InputError(f"{what} not found: {path}", fix)
+    return path

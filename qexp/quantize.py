@@ -1,0 +1,276 @@
+"""Quantize + calibrate stage: recipe + observer -> QnnQuantizer -> prepare_pt2e -> calibrate -> convert_pt2e.
+
+A `quant` config maps onto upstream's QuantRecipe builder (the one its static-llama recipes use): a default
+strategy for every op (activations at the scheme's bits, per tensor), a conv strategy for the weights (every
+linear is a 1x1 conv in the static llama), regex overrides by module path, and custom annotations by name.
+The converted (QDQ) program is cached, keyed by everything that determines it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from qexp import upstream
+from qexp.cache import Cache
+from qexp.calibration import CalibrationSet
+from qexp.config import NO_QUANT, SCHEMES, Granularity, ObserverConfig, ObserverKind, QuantConfig
+from qexp.errors import ConfigError
+from qexp.static_model import StaticLlama
+
+log = logging.getLogger("qexp")
+
+QDQ_PROGRAM = "qdq.pt2"
+_GRANULARITY = {
+    Granularity.per_tensor: upstream.QuantGranularity.PER_TENSOR,
+    Granularity.per_channel: upstream.QuantGranularity.PER_CHANNEL,
+    Granularity.per_block: upstream.QuantGranularity.PER_BLOCK,
+}
+
+
+# ---------------------------------------------------------------- config -> upstream objects
+def quant_dtype(scheme: str):
+    if scheme not in SCHEMES:
+        raise ConfigError(f"unknown quantization scheme {scheme!r}", f"choose one of: {', '.join(SCHEMES)}")
+    return getattr(upstream.QuantDtype, f"use_{scheme}")
+
+
+def custom_annotation(name: str):
+    fn = getattr(upstream.custom_annotation, name, None)
+    if not callable(fn) or not (name.startswith("annotate") or name.startswith("custom_annotate")):
+        valid = sorted(
+            n for n in dir(upstream.custom_annotation)
+            if (n.startswith("annotate") or n.startswith("custom_annotate"))
+            and callable(getattr(upstream.custom_annotation, n))
+        )
+        raise ConfigError(f"unknown custom annotation {name!r}", f"choose from: {', '.join(valid)}")
+    return fn
+
+
+def observer_class(cfg: ObserverConfig) -> type:
+    """An observer class for activations. torchao's prepare needs a class (it reads __name__), not a partial."""
+    from torchao.quantization.pt2e import MinMaxObserver, MovingAverageMinMaxObserver
+
+    if cfg.kind == ObserverKind.minmax:
+        return MinMaxObserver
+    if cfg.kind == ObserverKind.moving_average:
+        if not 0 < cfg.averaging_constant <= 1:
+            raise ConfigError(f"observer.averaging_constant={cfg.averaging_constant}", "use a value in (0, 1]")
+        constant = float(cfg.averaging_constant)
+
+        class ConfiguredMovingAverageMinMaxObserver(MovingAverageMinMaxObserver):
+            def __init__(self, **kwargs):
+                kwargs.setdefault("averaging_constant", constant)
+                super().__init__(**kwargs)
+
+        return ConfiguredMovingAverageMinMaxObserver
+    if cfg.kind == ObserverKind.percentile:
+        if not 50 < cfg.percentile <= 100:
+            raise ConfigError(f"observer.percentile={cfg.percentile}", "use a value in (50, 100]")
+        return _percentile_observer(float(cfg.percentile))
+    raise ConfigError(f"unknown observer kind {cfg.kind}")
+
+
+def _percentile_observer(percentile: float) -> type:
+    from torchao.quantization.pt2e import MinMaxObserver
+
+    class PercentileObserver(MinMaxObserver):
+        """Range = running min/max over batches of each batch's (100-p)th / p-th percentile."""
+
+        max_samples = 1 << 20  # strided subsample of big tensors (e.g. logits) to bound the sort's cost
+
+        def forward(self, x_orig):
+            if x_orig.numel() == 0:
+                return x_orig
+            x = x_orig.detach().to(self.min_val.dtype).flatten()
+            if x.numel() > self.max_samples:
+                x = x[:: x.numel() // self.max_samples + 1]
+            k_low = max(1, int(round(x.numel() * (100.0 - percentile) / 100.0)))
+            k_high = max(1, min(x.numel(), int(round(x.numel() * percentile / 100.0))))
+            low, high = x.kthvalue(k_low).values, x.kthvalue(k_high).values
+            self.min_val.copy_(torch.minimum(low, self.min_val))
+            self.max_val.copy_(torch.maximum(high, self.max_val))
+            return x_orig
+
+    return PercentileObserver
+
+
+def _strategy_kwargs(granularity: Granularity, block_size: int) -> dict:
+    kwargs = {"granularity": _GRANULARITY[granularity]}
+    if granularity == Granularity.per_block:
+        if block_size < 1:
+            raise ConfigError(f"block_size={block_size}", "use a positive block size")
+        # conv2d weight is (out, in, 1, 1): one scale per `block_size` input channels of each output channel
+        kwargs["extra_kwargs"] = {"block_size": (1, int(block_size), 1, 1)}
+    return kwargs
+
+
+def build_recipe(quant: QuantConfig, observer: ObserverConfig):
+    act_observer = observer_class(observer)
+    dtype = quant_dtype(quant.scheme)
+    if quant.weight_granularity == Granularity.per_block and quant.scheme != "16a4w_block":
+        raise ConfigError(f"quant.weight_granularity=per_block needs scheme 16a4w_block, not {quant.scheme}")
+    recipe = upstream.QuantRecipe(
+        dtype, False, act_observer=act_observer, granularity=upstream.QuantGranularity.PER_TENSOR,
+        act_symmetric=quant.act_symmetric, note=f"{quant.scheme} default",
+    )
+    recipe.add_node_target(
+        {torch.ops.aten.conv2d.default}, dtype, False, act_observer=act_observer,
+        act_symmetric=quant.act_symmetric, note="weights of conv/linear layers",
+        **_strategy_kwargs(quant.weight_granularity, quant.block_size),
+    )
+    for override in quant.overrides:
+        override_dtype = quant_dtype(override.scheme)
+        if override.granularity == Granularity.per_block and override.scheme != "16a4w_block":
+            raise ConfigError(f"override {override.pattern!r}: per_block needs scheme 16a4w_block")
+        recipe.add_regex(
+            {override.pattern}, override_dtype, False, act_observer=act_observer,
+            act_symmetric=override.act_symmetric, note=override.note or override.pattern, priority=2,
+            **_strategy_kwargs(override.granularity, override.block_size),
+        )
+    recipe.custom_quant_annotations.extend(custom_annotation(name) for name in quant.custom_annotations)
+    return recipe
+
+
+def make_quantizer(quant: QuantConfig, observer: ObserverConfig, soc: str = "SM8650"):
+    quantizer = upstream.QnnQuantizer(soc_model=getattr(upstream.QcomChipset, soc))
+    quantizer.set_recipe(build_recipe(quant, observer))
+    return quantizer
+
+
+def validate_recipe(quant: QuantConfig, observer: ObserverConfig) -> None:
+    """Check a recipe before a run starts (unknown schemes, annotations, bad observer values)."""
+    if quant.scheme == NO_QUANT:
+        return
+    build_recipe(quant, observer)
+
+
+# ---------------------------------------------------------------- the stage
+@dataclass
+class QuantizedModel:
+    module: torch.fx.GraphModule  # the QDQ program (fake-quantized ops, runs on CPU)
+    program_path: Path  # the cached ExportedProgram (.pt2)
+    key: str
+    cache_hit: bool
+    calibration_s: float  # time spent in calibration when built now (0 on a cache hit)
+
+
+def quantize(
+    static: StaticLlama, quant: QuantConfig, observer: ObserverConfig, calibration: CalibrationSet,
+    cache: Cache, key: str, soc: str = "SM8650",
+) -> QuantizedModel:
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    built = {}
+
+    def build(tmp: Path) -> dict:
+        quantizer = make_quantizer(quant, observer, soc)
+        example = static.example_inputs()
+        with torch.no_grad():
+            graph = torch.export.export(static.module, example, strict=True).module()
+            prepared = prepare_pt2e(graph, quantizer)
+            start = time.perf_counter()
+            for sample in tqdm(calibration.samples, desc="calibrate", unit="sample", leave=False):
+                prepared(*static.inputs(sample))
+            built["calibration_s"] = time.perf_counter() - start
+            converted = convert_pt2e(prepared)
+            torch.export.save(torch.export.export(converted, example, strict=True), str(tmp / QDQ_PROGRAM))
+        built["module"] = converted
+        return {"samples": len(calibration.samples), "tokens": calibration.n_tokens}
+
+    path, hit = cache.get_or_build("qdq", key, build)
+    if hit:
+        # Loading a saved QDQ program needs torchao's quantized_decomposed ops registered first.
+        import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
+
+        log.info("QDQ program: cache hit %s", path)
+        module = torch.export.load(str(path / QDQ_PROGRAM)).module()
+    else:
+        module = built["module"]
+    return QuantizedModel(module, path / QDQ_PROGRAM, key, hit, built.get("calibration_s", 0.0))
+
+
+# ---------------------------------------------------------------- summary
+_QUANT_OPS = {
+    "quantized_decomposed.quantize_per_tensor.default": "per_tensor",
+    "quantized_decomposed.quantize_per_channel.default": "per_channel",
+    "torchao.quantize_affine.default": "per_block",
+}
+
+
+def encodings_table(module: torch.fx.GraphModule) -> pd.DataFrame:
+    """One row per quantize op of the QDQ program: what it quantizes, dtype, scale/zero point, covered range."""
+    rows = []
+    for node in module.graph.nodes:
+        kind = _QUANT_OPS.get(str(node.target))
+        if node.op != "call_function" or kind is None:
+            continue
+        source = node.args[0]
+        stack = source.meta.get("nn_module_stack") if hasattr(source, "meta") else None
+        module_path = list(stack.values())[-1][0] if stack else ""
+        if kind == "per_tensor":
+            scale, zero_point, qmin, qmax, dtype = node.args[1:6]
+            scales = torch.tensor([float(scale)])
+            zero_points = torch.tensor([float(zero_point)])
+        elif kind == "per_channel":
+            scales = _attr(module, node.args[1]).float()
+            zero_points = _attr(module, node.args[2]).float()
+            qmin, qmax, dtype = node.args[4:7]
+        else:
+            scales = _attr(module, node.args[2]).float().flatten()
+            zero_points = _attr(module, node.args[3]).float().flatten()
+            dtype = node.args[4]
+            qmin, qmax = node.args[5], node.args[6]
+        bits = _bits(dtype, qmin, qmax)
+        low = ((qmin - zero_points) * scales).min().item()
+        high = ((qmax - zero_points) * scales).max().item()
+        rows.append({
+            "node": source.name if hasattr(source, "name") else str(source),
+            "module": module_path,
+            "granularity": kind,
+            "bits": bits,
+            "n_scales": scales.numel(),
+            "scale_min": scales.min().item(),
+            "scale_max": scales.max().item(),
+            "range_min": low,
+            "range_max": high,
+            "weight": bool(getattr(source, "op", "") == "get_attr"),
+        })
+    return pd.DataFrame(rows)
+
+
+def _attr(module: torch.nn.Module, node) -> torch.Tensor:
+    if isinstance(node, torch.Tensor):
+        return node
+    target = node.target if hasattr(node, "target") else node
+    obj = module
+    for part in str(target).split("."):
+        obj = getattr(obj, part)
+    return torch.as_tensor(obj)
+
+
+def _bits(dtype, qmin, qmax) -> int:
+    import math
+
+    span = int(qmax) - int(qmin) + 1
+    return int(round(math.log2(span))) if span > 1 else 0
+
+
+def summarize_encodings(table: pd.DataFrame) -> str:
+    if table.empty:
+        return "no quantize ops"
+    lines = ["quantize ops by kind and bit width:"]
+    grouped = table.groupby(["weight", "granularity", "bits"]).size()
+    for (is_weight, granularity, bits), count in grouped.items():
+        lines.append(f"  {'weight' if is_weight else 'activation':10s} {granularity:11s} {bits:2d}-bit: {count}")
+    widest = table[~table["weight"]].sort_values("range_max", ascending=False).head(5)
+    lines.append("widest activation ranges (most sensitive to clipping / resolution):")
+    for _, row in widest.iterrows():
+        lines.append(f"  {row['node']:40s} [{row['range_min']:.3g}, {row['range_max']:.3g}] {row['bits']}-bit")
+    return "\n".join(lines)

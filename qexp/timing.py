@@ -1,0 +1,37 @@
+"""Per-stage wall-clock durations and peak memory, logged as `time_<stage>_s` and `peak_rss_mb`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import resource
+import time
+from typing import Dict, Iterator
+
+log = logging.getLogger("qexp")
+
+
+def peak_rss_mb() -> float:
+    # ru_maxrss is in KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class StageTimer:
+    def __init__(self) -> None:
+        self.durations: Dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        log.info("stage %s: start", name)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            self.durations[name] = self.durations.get(name, 0.0) + elapsed
+            log.info("stage %s: %.1f s (peak RSS %.0f MiB)", name, elapsed, peak_rss_mb())
+
+    def metrics(self) -> Dict[str, float]:
+        out = {f"time_{name}_s": round(value, 3) for name, value in self.durations.items()}
+        out["time_total_s"] = round(sum(self.durations.values()), 3)
+        return out
