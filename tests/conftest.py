@@ -1,0 +1,72 @@
+"""Shared fixtures: Hydra composition of the real conf/ tree, a per-session cache and MLflow store.
+
+Every test uses a fresh cache (so CI exercises the cold path: GGUF dequantization, calibration) and its own MLflow
+store, never the user's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import List
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CONF = REPO / "conf"
+
+# Tiny model, short windows: a whole experiment takes seconds.
+TINY = [
+    "model=tiny",
+    "eval.seq_len=64",
+    "eval.limit=3",
+    "calibration.limit=3",
+]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("qexp-cache")
+    os.environ["QEXP_CACHE_DIR"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def store_uri(tmp_path_factory) -> str:
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlruns.db'}"
+
+
+@pytest.fixture(scope="session")
+def compose(cache_dir, store_uri):
+    """compose(overrides) -> the resolved DictConfig of conf/ with those overrides, tracked in the test store."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import qexp.config  # noqa: F401 - registers the schema
+
+    def _compose(overrides: List[str] | None = None, tracked: bool = True):
+        GlobalHydra.instance().clear()
+        extra = [f"cache_dir={cache_dir}"]
+        if tracked:
+            extra += [f"tracking.uri={store_uri}", "tracking.experiment=tests"]
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=list(overrides or []) + extra)
+
+    return _compose
+
+
+@pytest.fixture(scope="session")
+def tiny_model(compose, cache_dir):
+    from qexp.cache import Cache
+    from qexp.load import load_model
+
+    return load_model(compose(TINY).model, Cache(cache_dir))
+
+
+@pytest.fixture(scope="session")
+def corpus(compose, cache_dir):
+    from qexp.cache import Cache
+    from qexp.text import load_corpus
+
+    return load_corpus(compose(TINY).text, Cache(cache_dir))

@@ -1,0 +1,92 @@
+"""Config composition: every group value and experiment composes; wrong values are rejected with the valid ones."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf.errors import ValidationError
+
+from conftest import CONF
+from qexp.config import SCHEMES
+from qexp.errors import ConfigError
+from qexp.pipeline import validate
+
+GROUPS = ["model", "quant", "observer", "calibration", "eval", "text", "backend", "kv", "tracking", "experiment"]
+
+
+def test_groups_exist():
+    for group in GROUPS:
+        assert (CONF / group).is_dir(), group
+    assert {p.stem for p in (CONF / "quant").glob("*.yaml")} >= set(SCHEMES) | {"fp32"}
+    assert {p.stem for p in (CONF / "model").glob("*.yaml")} >= {
+        "smollm2_135m", "tiny", "llama_checkpoint", "hf", "stories110m", "llama3_2_1b"}
+    assert {p.stem for p in (CONF / "experiment").glob("*.yaml")} >= {
+        "16a4w_wikitext", "8a8w_wikitext", "16a8w_wikitext", "fp32_wikitext"}
+
+
+def test_default_config(compose):
+    cfg = compose()
+    assert cfg.model.name == "smollm2_135m" and cfg.quant.scheme == "16a4w" and cfg.backend.name == "none"
+    assert cfg.export.max_context_len == cfg.eval.seq_len == cfg.calibration.seq_len
+    validate(cfg)
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
+def test_every_experiment_composes_and_validates(compose, experiment):
+    cfg = compose([f"+experiment={experiment}"])
+    assert cfg.quant.name == experiment.replace("_wikitext", "")
+    validate(cfg)
+
+
+@pytest.mark.parametrize("group", ["quant", "observer", "calibration", "kv", "model"])
+def test_every_group_value_composes(compose, group):
+    for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
+        cfg = compose([f"{group}={option}"])
+        assert cfg[group].name == option
+
+
+def test_unknown_group_value_lists_options(compose):
+    with pytest.raises(MissingConfigException) as err:
+        compose(["quant=16a5w"])
+    assert "16a4w" in str(err.value) and "8a8w" in str(err.value)  # Hydra lists the available options
+
+
+def test_wrong_enum_value_lists_valid_values(compose):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose(["observer.kind=median"])
+    cause = err.value.__cause__
+    assert isinstance(cause, ValidationError)
+    assert "minmax" in str(cause) and "moving_average" in str(cause)
+
+
+def test_wrong_type_rejected(compose):
+    with pytest.raises(ConfigCompositionException):
+        compose(["eval.seq_len=long"])
+
+
+def test_misspelt_key_rejected(compose):
+    with pytest.raises(ConfigCompositionException):
+        compose(["quant.shceme=8a8w"])
+
+
+def test_unknown_scheme_rejected_with_list(compose):
+    cfg = compose(["quant.scheme=16a5w"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert "16a5w" in str(err.value) and all(s in str(err.value) for s in SCHEMES)
+
+
+def test_unknown_custom_annotation_rejected(compose):
+    cfg = compose(["quant.custom_annotations=[annotate_everything]"])
+    with pytest.raises(ConfigError, match="annotate_kv_8bit"):
+        validate(cfg)
+
+
+def test_unknown_arch_rejected(compose):
+    with pytest.raises(ConfigError, match="smollm2_135m"):
+        validate(compose(["model.arch=gpt5"]))
+
+
+def test_window_longer_than_graph_context_rejected(compose):
+    with pytest.raises(ConfigError, match="max_context_len"):
+        validate(compose(["eval.seq_len=512", "export.max_context_len=256"]))

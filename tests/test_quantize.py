@@ -1,0 +1,121 @@
+"""Quantize stage on the tiny model: every scheme with both observers, recipes, overrides, caching."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY
+from qexp.cache import Cache
+from qexp.calibration import build_calibration
+from qexp.config import SCHEMES
+from qexp.evaluate import evaluate, make_windows, sqnr_db
+from qexp.quantize import encodings_table, quantize
+from qexp.static_model import StaticLlama, window_logits
+
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model, corpus, compose):
+    cfg = compose(TINY)
+    static = StaticLlama(tiny_model, CONTEXT)
+    calibration = build_calibration(cfg.calibration, corpus, tiny_model.tokenizer, True, CONTEXT)
+    windows = make_windows(corpus.joined("test"), tiny_model.tokenizer, CONTEXT, 2, True)
+    fp = evaluate(lambda ids: window_logits(static.module, static, ids), windows, "fp", keep_logits=2)
+    return static, calibration, windows, fp
+
+
+def _quantize(setup, compose, tmp_path, overrides):
+    static, calibration, windows, fp = setup
+    cfg = compose(TINY + overrides)
+    result = quantize(static, cfg.quant, cfg.observer, calibration, Cache(tmp_path), key="k")
+    qdq = evaluate(lambda ids: window_logits(result.module, static, ids), windows, "qdq", reference=fp,
+                   keep_logits=2)
+    return result, qdq, encodings_table(result.module)
+
+
+EXPECTED_BITS = {  # scheme -> (activation bits, conv weight bits)
+    "8a8w": (8, 8), "16a16w": (16, 16), "16a8w": (16, 8), "16a4w": (16, 4), "16a4w_block": (16, 4), "8a4w": (8, 4),
+}
+
+
+@pytest.mark.parametrize("observer", ["minmax", "moving_average"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_every_scheme_and_observer(setup, compose, tmp_path, scheme, observer):
+    static, calibration, windows, fp = setup
+    result, qdq, table = _quantize(setup, compose, tmp_path, [f"quant={scheme}", f"observer={observer}"])
+    act_bits, weight_bits = EXPECTED_BITS[scheme]
+    activations, weights = table[~table["weight"]], table[table["weight"]]
+    assert act_bits in set(activations["bits"]), activations["bits"].value_counts()
+    # the decoder layers' projection weights carry the scheme's weight bits
+    layer_weights = weights[weights["module"].str.match(r"layers\.\d+\..*_conv$")]
+    assert len(layer_weights) == 7 * 2  # q, k, v, o, w1, w2, w3 in each of the two layers
+    assert set(layer_weights["bits"]) == {weight_bits}, layer_weights[["module", "bits"]]
+    if scheme == "16a4w_block":
+        assert "per_block" in set(layer_weights["granularity"])
+    elif scheme == "16a16w":
+        assert set(layer_weights["granularity"]) == {"per_tensor"}
+    else:
+        assert set(layer_weights["granularity"]) == {"per_channel"}
+    metrics = qdq.metrics()
+    assert np.isfinite(metrics["ppl"])
+    assert not np.allclose(qdq.logprobs, fp.logprobs)  # quantization did something
+    assert sqnr_db(fp.logits[0], qdq.logits[0]) > 3  # ... and the result still tracks the FP model
+
+
+def test_more_bits_is_closer_to_fp(setup, compose, tmp_path):
+    static, calibration, windows, fp = setup
+    sqnr = {}
+    for scheme in ("16a16w", "8a4w"):
+        _, qdq, _ = _quantize(setup, compose, tmp_path / scheme, [f"quant={scheme}"])
+        sqnr[scheme] = np.mean([sqnr_db(a, b) for a, b in zip(fp.logits, qdq.logits)])
+    assert sqnr["16a16w"] > sqnr["8a4w"] + 10, sqnr
+
+
+def test_observers_give_different_ranges(setup, compose, tmp_path):
+    tables = {}
+    for observer in ("minmax", "moving_average", "percentile"):
+        _, _, table = _quantize(setup, compose, tmp_path / observer, ["quant=8a8w", f"observer={observer}"])
+        activations = table[~table["weight"]].set_index("tensor")
+        # the covered width is max(max, 0) - min(min, 0) exactly (no zero-point rounding)
+        tables[observer] = activations["range_max"] - activations["range_min"]
+    minmax = tables["minmax"]
+    for other in ("moving_average", "percentile"):
+        common = minmax.index.intersection(tables[other].index)
+        assert len(common) > 10
+        # neither widens a range beyond the observed min/max (averages / percentiles of the same batches), and both
+        # narrow some
+        assert (tables[other][common] <= minmax[common] * (1 + 1e-3) + 1e-6).all()
+        assert (tables[other][common] < minmax[common] * 0.999).any()
+
+
+def test_override_by_layer_pattern(setup, compose, tmp_path):
+    overrides = ["quant=16a4w", "quant.custom_annotations=[]",
+                 "quant.overrides=[{pattern: 'layers\\.0\\.feed_forward', scheme: 16a8w}]"]
+    _, _, table = _quantize(setup, compose, tmp_path, overrides)
+    weights = table[table["weight"] & table["module"].str.match(r"layers\.\d+\..*_conv$")]
+    ffn0 = weights[weights["module"].str.startswith("layers.0.feed_forward")]
+    rest = weights[~weights["module"].str.startswith("layers.0.feed_forward")]
+    assert len(ffn0) and set(ffn0["bits"]) == {8}
+    assert set(rest["bits"]) == {4}
+
+
+def test_block_size_is_configurable(setup, compose, tmp_path):
+    counts = {}
+    for block in (16, 32):
+        _, _, table = _quantize(setup, compose, tmp_path / str(block), ["quant=16a4w_block", f"quant.block_size={block}"])
+        blocked = table[table["granularity"] == "per_block"]
+        counts[block] = blocked["n_scales"].sum()
+    assert counts[16] == 2 * counts[32]
+
+
+def test_converted_program_is_cached(setup, compose, tmp_path):
+    static, calibration, windows, fp = setup
+    cfg = compose(TINY + ["quant=8a8w"])
+    first = quantize(static, cfg.quant, cfg.observer, calibration, Cache(tmp_path), key="same")
+    second = quantize(static, cfg.quant, cfg.observer, calibration, Cache(tmp_path), key="same")
+    assert not first.cache_hit and second.cache_hit and first.program_path.exists()
+    ids = windows.ids[0]
+    assert torch.equal(window_logits(first.module, static, ids), window_logits(second.module, static, ids))

