@@ -224,10 +224,8 @@ def _run(cfg: DictConfig) -> ExperimentResult:
             "versions": {k: v for k, v in environment_tags().items() if k.startswith("version.")},
         }, length=24)
         with timer.stage("quantize"):
-            qdq_model = quantize(static, cfg.quant, cfg.observer, calibration, cache, key)
+            qdq_model = quantize(static, cfg.quant, cfg.observer, calibration, cache, key, timer=timer)
         tags.update({"qdq_cache_key": key, "qdq_cache_hit": str(qdq_model.cache_hit).lower()})
-        if not qdq_model.cache_hit:
-            metrics["time_calibrate_s"] = round(qdq_model.calibration_s, 3)
 
         with timer.stage("eval_qdq"):
             qdq = evaluate(

@@ -18,7 +18,8 @@ def peak_rss_mb() -> float:
 
 class StageTimer:
     def __init__(self) -> None:
-        self.durations: Dict[str, float] = {}
+        self.durations: Dict[str, float] = {}  # stages may nest (quantize > calibrate): do not sum them
+        self.started = time.perf_counter()
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -33,5 +34,5 @@ class StageTimer:
 
     def metrics(self) -> Dict[str, float]:
         out = {f"time_{name}_s": round(value, 3) for name, value in self.durations.items()}
-        out["time_total_s"] = round(sum(self.durations.values()), 3)
+        out["time_total_s"] = round(time.perf_counter() - self.started, 3)
         return out

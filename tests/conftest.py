@@ -51,7 +51,7 @@ def compose(cache_dir, store_uri):
         if tracked:
             extra += [f"tracking.uri={store_uri}", "tracking.experiment=tests"]
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            return hydra_compose(config_name="config", overrides=list(overrides or []) + extra)
+            return hydra_compose(config_name="config", overrides=extra + list(overrides or []))
 
     return _compose
 

@@ -1,0 +1,92 @@
+"""Benchmark the default experiment cold (empty cache) and warm (cached fp32 model and QDQ program).
+
+Both runs are subprocesses of `python -m qexp +experiment=16a4w_wikitext`, side by side in one invocation, so the
+figures share the machine's state. Prints per-stage times, wall time and peak RSS, the ratios to the targets
+(issue #2: FP+QDQ phases under 5 min cold and 2 min warm, peak RSS under 6 GiB on a 2-core box), and logs them
+as an MLflow run in the `benchmarks` experiment of the same store.
+
+    .venv/bin/python benchmarks/bench_default.py [--experiment 16a4w_wikitext] [-- extra hydra overrides]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+from mlflow.tracking import MlflowClient
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from qexp.track import embedded_store_uri  # noqa: E402
+
+TARGETS = {"cold_s": 300.0, "warm_s": 120.0, "peak_rss_mb": 6 * 1024.0}
+
+
+def run_once(label: str, experiment: str, cache_dir: str, store: str, extra: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "qexp", f"+experiment={experiment}", f"cache_dir={cache_dir}",
+           "tracking.experiment=benchmarks", f"tracking.run_name=bench-{label}", *extra]
+    print(f"[bench] {label}: {' '.join(cmd[1:])}", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "MLFLOW_TRACKING_URI": store},
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-3000:])
+        raise SystemExit(f"[bench] {label} run failed (exit {proc.returncode})")
+    run_id = next(line.split()[2] for line in proc.stdout.splitlines() if line.startswith("qexp: run "))
+    metrics = MlflowClient(store).get_run(run_id).data.metrics
+    return {"label": label, "run_id": run_id, "wall_s": wall, **metrics}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--experiment", default="16a4w_wikitext")
+    parser.add_argument("--store", default=os.environ.get("MLFLOW_TRACKING_URI") or embedded_store_uri())
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for both runs")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="qexp-bench-cache-") as cache_dir:
+        cold = run_once("cold", args.experiment, cache_dir, args.store, args.overrides)
+        warm = run_once("warm", args.experiment, cache_dir, args.store, args.overrides)
+
+    stages = sorted(k for k in set(cold) | set(warm) if k.startswith("time_"))
+    table = pd.DataFrame(
+        {"cold": [cold.get(s) for s in stages], "warm": [warm.get(s) for s in stages]},
+        index=[s[len("time_"):-2] for s in stages],
+    )
+    table.loc["wall (process)"] = [cold["wall_s"], warm["wall_s"]]
+    table.loc["peak RSS MiB"] = [cold["peak_rss_mb"], warm["peak_rss_mb"]]
+    print("\nper-stage seconds (nested stages: export/prepare/calibrate/convert/save_qdq are inside quantize)")
+    print(table.round(1).to_string())
+
+    summary = {
+        "cold_wall_s": cold["wall_s"],
+        "warm_wall_s": warm["wall_s"],
+        "cold_vs_target": cold["wall_s"] / TARGETS["cold_s"],
+        "warm_vs_target": warm["wall_s"] / TARGETS["warm_s"],
+        "warm_vs_cold": warm["wall_s"] / cold["wall_s"],
+        "peak_rss_mb": max(cold["peak_rss_mb"], warm["peak_rss_mb"]),
+        "peak_rss_vs_target": max(cold["peak_rss_mb"], warm["peak_rss_mb"]) / TARGETS["peak_rss_mb"],
+    }
+    print("\nratios (< 1.0 meets the target):")
+    for key in ("cold_vs_target", "warm_vs_target", "peak_rss_vs_target", "warm_vs_cold"):
+        print(f"  {key:20s} {summary[key]:.3f}")
+
+    mlflow.set_tracking_uri(args.store)
+    mlflow.set_experiment("benchmarks")
+    with mlflow.start_run(run_name=f"bench_default-{args.experiment}"):
+        mlflow.set_tags({"benchmark": "bench_default", "cold_run": cold["run_id"], "warm_run": warm["run_id"],
+                         "experiment": args.experiment, "overrides": " ".join(args.overrides)})
+        mlflow.log_metrics(summary)
+        mlflow.log_text(table.round(3).to_csv(), "stages.csv")
+
+
+if __name__ == "__main__":
+    main()
