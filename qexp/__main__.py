@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+import os
 import sys
 
 import hydra
@@ -10,8 +10,6 @@ from omegaconf import DictConfig
 
 import qexp.config  # noqa: F401 - registers the structured config schema
 from qexp.errors import QexpError
-
-log = logging.getLogger("qexp")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -28,10 +26,12 @@ def main(cfg: DictConfig) -> float | None:
         print("qexp: interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001 - a bug or an upstream failure: short line, details in MLflow
-        log.debug("unexpected error", exc_info=True)
+        if os.environ.get("QEXP_TRACEBACK"):
+            raise
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
         print(
-            f"qexp: failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
-            "(full traceback: the run's error.txt artifact in MLflow, or HYDRA_FULL_ERROR=1 ... -v)",
+            f"qexp: failed: {type(exc).__name__}: {first_line} (traceback: error.txt of the MLflow run, "
+            "or rerun with QEXP_TRACEBACK=1)",
             file=sys.stderr,
         )
         sys.exit(1)

@@ -27,6 +27,10 @@ from qexp.timing import StageTimer
 log = logging.getLogger("qexp")
 
 QDQ_PROGRAM = "qdq.pt2"
+OBSERVERS = "observers.pt"  # calibrated observer statistics, to quantize other graphs of the same model
+# Non-strict export: 4x faster than strict (dynamo) tracing here, same graph. Graphs that later take these
+# encodings (kv / prefill) must be exported the same way.
+EXPORT_STRICT = False
 _GRANULARITY = {
     Granularity.per_tensor: upstream.QuantGranularity.PER_TENSOR,
     Granularity.per_channel: upstream.QuantGranularity.PER_CHANNEL,
@@ -177,15 +181,14 @@ def quantize(
         quantizer = make_quantizer(quant, observer, soc)
         example = static.example_inputs()
         with torch.no_grad():
-            # Non-strict export: 4x faster than strict (dynamo) tracing here, same graph. Later stages that copy
-            # these encodings onto kv/prefill graphs must export those the same way (node names must match).
             with timer.stage("export"):
-                graph = torch.export.export(static.module, example, strict=False).module()
+                graph = torch.export.export(static.module, example, strict=EXPORT_STRICT).module()
             with timer.stage("prepare"):
                 prepared = prepare_pt2e(graph, quantizer)
             with timer.stage("calibrate"):
                 for sample in tqdm(calibration.samples, desc="calibrate", unit="sample", leave=False):
                     prepared(*static.inputs(sample))
+            torch.save(observer_statistics(prepared), tmp / OBSERVERS)
             with timer.stage("convert"):
                 converted = convert_pt2e(prepared)
             with timer.stage("save_qdq"):
@@ -204,6 +207,28 @@ def quantize(
     else:
         module = built["module"]
     return QuantizedModel(module, path / QDQ_PROGRAM, key, hit)
+
+
+def observer_statistics(prepared: torch.fx.GraphModule) -> dict:
+    """Calibrated state of every observer of a prepared graph, with what it observes.
+
+    Graphs of the same model with another AR length (the kv and prefill graphs of the deploy phase) have the same
+    observers; loading these statistics into them before convert_pt2e reproduces this calibration without
+    re-running it. Plain tensors and strings only, so it loads with weights_only=True.
+    """
+    stats = {}
+    for node in prepared.graph.nodes:
+        if node.op != "call_module" or not node.target.startswith("activation_post_process"):
+            continue
+        observer = getattr(prepared, node.target)
+        source = node.args[0] if node.args else None
+        stack = getattr(source, "meta", {}).get("nn_module_stack") if source is not None else None
+        stats[node.target] = {
+            "observes": getattr(source, "name", ""),
+            "module": list(stack.values())[-1][0] if stack else "",
+            "state": {k: v.clone() for k, v in observer.state_dict().items()},
+        }
+    return stats
 
 
 # ---------------------------------------------------------------- summary

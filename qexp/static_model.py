@@ -9,7 +9,7 @@ weights with other AR lengths (kv / prefill graphs) and copy the calibrated enco
 from __future__ import annotations
 
 import logging
-from typing import List, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import torch
 
@@ -124,7 +124,3 @@ def window_logits(module, static: StaticLlama, tokens: Sequence[int]) -> torch.T
     out = module(*static.inputs(tokens))
     logits = out[0] if isinstance(out, (tuple, list)) else out
     return logits.reshape(static.ar_len, -1)[: len(tokens)].float()
-
-
-def count_ops(graph_module: torch.fx.GraphModule) -> List[str]:
-    return [str(n.target) for n in graph_module.graph.nodes if n.op == "call_function"]

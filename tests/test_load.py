@@ -130,3 +130,27 @@ def test_missing_gguf(compose, cache_dir, tmp_path):
 def test_missing_hf_folder(compose, cache_dir, tmp_path):
     with pytest.raises(InputError, match="not found"):
         load_model(compose(["model=hf", f"model.path={tmp_path}/none"]).model, Cache(cache_dir))
+
+
+def test_hf_folder_source(tiny_model, compose, cache_dir):
+    loaded = load_model(compose(["model=hf", f"model.path={tiny_model.hf_dir}", "model.arch=stories260k"]).model,
+                        Cache(cache_dir))
+    assert loaded.params == tiny_model.params
+    for name, tensor in tiny_model.state_dict.items():
+        assert torch.equal(tensor, loaded.state_dict[name])
+    assert len(loaded.fingerprint) == 64  # sha256 of the weight files
+
+
+def test_tiktoken_tokenizer_file(tmp_path):
+    """Llama-3 style tokenizer.model (tiktoken BPE ranks): special tokens in text become special ids."""
+    import base64
+
+    from qexp.tokenizer import Tokenizer
+
+    ranks = tmp_path / "tokenizer.model"
+    ranks.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
+    tok = Tokenizer.from_file(str(ranks))
+    assert tok.kind == "tiktoken"
+    ids = tok.encode("<|begin_of_text|>hi")
+    assert ids[0] == tok.bos_id and ids[1:] == [ord("h"), ord("i")]
+    assert tok.decode(ids[1:]) == "hi"

@@ -117,5 +117,7 @@ def test_converted_program_is_cached(setup, compose, tmp_path):
     first = quantize(static, cfg.quant, cfg.observer, calibration, Cache(tmp_path), key="same")
     second = quantize(static, cfg.quant, cfg.observer, calibration, Cache(tmp_path), key="same")
     assert not first.cache_hit and second.cache_hit and first.program_path.exists()
+    observers = torch.load(first.program_path.parent / "observers.pt", weights_only=True)
+    assert sum("min_val" in o["state"] for o in observers.values()) > 50
     ids = windows.ids[0]
     assert torch.equal(window_logits(first.module, static, ids), window_logits(second.module, static, ids))
