@@ -43,6 +43,26 @@ class CalibrationKind(enum.Enum):
 
 class BackendKind(enum.Enum):
     none = "none"
+    htp = "htp"
+
+
+class Soc(enum.Enum):
+    """Snapdragon SoCs with a Hexagon NPU (QcomChipset names)."""
+
+    SM8550 = "SM8550"  # Snapdragon 8 Gen 2
+    SM8650 = "SM8650"  # Snapdragon 8 Gen 3
+    SM8750 = "SM8750"  # Snapdragon 8 Elite
+
+
+class ModelMode(enum.Enum):
+    kv = "kv"  # one kv_forward graph (AR-1): prompt and decode token by token
+    hybrid = "hybrid"  # prefill_forward (AR-N) for the prompt, then kv_forward
+    lookahead = "lookahead"  # AR-N prompt processing + lookahead decoding (lossless)
+
+
+class Target(enum.Enum):
+    x86_emulator = "x86_emulator"  # HTP emulated on this host by the x86_64 QNN libraries: timings are NOT phone timings
+    android = "android"  # a phone over adb with a user-built qnn_llama_runner
 
 
 class KvUpdate(enum.Enum):
@@ -157,6 +177,16 @@ class ExportConfig:
 class BackendConfig:
     name: str = "none"
     kind: BackendKind = BackendKind.none
+    # HTP (ignored by backend=none)
+    soc: Soc = Soc.SM8650
+    model_mode: ModelMode = ModelMode.hybrid
+    prefill_ar_len: int = 32  # tokens per prefill_forward call (hybrid / lookahead, and on-target perplexity)
+    max_seq_len: int = 256  # context of the deployed graphs; must equal export.max_context_len (the calibration)
+    target: Target = Target.x86_emulator
+    pte_path: Optional[str] = None  # run this pre-generated .pte instead of compiling
+    ngram: int = 3  # lookahead
+    window: int = 2
+    gcap: int = 2
 
 
 @dataclass

@@ -1,0 +1,212 @@
+"""Lower stage: the calibrated model -> the static-llama graphs the runner needs -> one HTP-delegated .pte.
+
+Graphs: `kv_forward` (AR-1, or the lookahead width) and, for hybrid/lookahead, `prefill_forward` (AR-N). Each is
+the same static llama as the calibration graph with another AR length. It is exported the same way, prepared with
+the same quantizer, and given the calibration graph's observer statistics (cached with the QDQ program) before
+convert_pt2e: so it carries exactly the encodings the QDQ phase evaluated, without calibrating again. The cache
+inputs take the encodings of the matching cache outputs (the runner writes outputs back into inputs unchanged).
+
+Upstream's HybridTextDecoder._encoding_override does this by walking both graphs in parallel; with torch 2.13's
+exported modules (a `_guards_fn` node, non-strict placeholder names) its checks fail, so qexp transfers observer
+state instead, which needs no node matching beyond the observers' own (identical) names.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Dict
+
+import torch
+
+from qexp.cache import Cache, stable_hash
+from qexp.config import ModelMode
+from qexp.load import LoadedModel
+from qexp.qnn_sdk import ensure_qnn_sdk
+from qexp.quantize import EXPORT_STRICT, OBSERVERS, QuantizedModel, make_quantizer
+from qexp.static_model import StaticLlama
+from qexp.timing import StageTimer
+
+log = logging.getLogger("qexp")
+
+KV_GRAPH = "kv_forward"
+PREFILL_GRAPH = "prefill_forward"
+PTE_FILE = "model.pte"
+META_FILE = "meta.json"
+_LOWER_CACHE_VERSION = 1
+
+
+def graph_ar_lens(backend) -> Dict[str, int]:
+    """AR length of each graph for a model mode (as upstream's process_model_args)."""
+    if backend.model_mode == ModelMode.kv:
+        return {KV_GRAPH: 1}
+    if backend.model_mode == ModelMode.hybrid:
+        return {KV_GRAPH: 1, PREFILL_GRAPH: int(backend.prefill_ar_len)}
+    width = (backend.window + backend.gcap) * (backend.ngram - 1)
+    return {KV_GRAPH: 2 ** math.ceil(math.log2(max(width, 1))), PREFILL_GRAPH: int(backend.prefill_ar_len)}
+
+
+def kv_io_bits(quant) -> int:
+    """Bit width of the KV cache I/O, as upstream's StaticLLMQuantRecipe.get_kv_io_bit_width decides it."""
+    return 8 if quant.scheme == "8a8w" or "annotate_kv_8bit" in list(quant.custom_annotations) else 16
+
+
+@dataclass
+class DeployedProgram:
+    pte_path: Path
+    meta: dict  # graphs, AR lengths, layer/head shapes, logits and KV I/O encodings
+    key: str
+    cache_hit: bool
+
+    @property
+    def pte_bytes(self) -> int:
+        return self.pte_path.stat().st_size
+
+
+def quantized_graph(model: LoadedModel, context: int, ar_len: int, r3: bool, quant, observer, stats: dict):
+    """The static llama for `ar_len`, quantized with the calibration graph's observer statistics."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    static = StaticLlama(model, context, r3=r3, ar_len=ar_len)
+    example = static.example_inputs()
+    with torch.no_grad():
+        graph = torch.export.export(static.module, example, strict=EXPORT_STRICT).module()
+        prepared = prepare_pt2e(graph, make_quantizer(quant, observer))
+    names = {n.target for n in prepared.graph.nodes if n.op == "call_module" and n.target in stats}
+    if len(names) != len(stats):
+        raise RuntimeError(f"graph AR-{ar_len} has {len(names)} of the calibration graph's {len(stats)} observers")
+    for name in names:
+        getattr(prepared, name).load_state_dict(stats[name]["state"])
+    _tie_cache_inputs_to_outputs(prepared, static.n_layers)
+    with torch.no_grad():
+        return convert_pt2e(prepared), static
+
+
+def _tie_cache_inputs_to_outputs(prepared: torch.fx.GraphModule, n_layers: int) -> None:
+    placeholders = [n for n in prepared.graph.nodes if n.op == "placeholder"]
+    cache_inputs = placeholders[-2 * n_layers :]  # k caches then v caches, as the forward signature
+    output = next(n for n in prepared.graph.nodes if n.op == "output")
+    outputs = torch.utils._pytree.tree_leaves(output.args[0])  # logits, k outputs, v outputs
+    for index, placeholder in enumerate(cache_inputs):
+        observer_node = next(
+            u for u in placeholder.users if u.op == "call_module" and u.target.startswith("activation_post_process")
+        )  # not torch's _guards_fn, also a call_module user of the inputs
+        produced = outputs[1 + index]
+        getattr(prepared, observer_node.target).load_state_dict(getattr(prepared, produced.target).state_dict())
+
+
+def io_encodings(converted: torch.fx.GraphModule, n_layers: int) -> dict:
+    """Scale/zero point of the logits output and of every cache input (what the runner quantizes/dequantizes)."""
+    placeholders = [n for n in converted.graph.nodes if n.op == "placeholder"]
+
+    def input_qparams(node):
+        q = next(u for u in node.users if "quantize_per_tensor" in str(u.target))
+        return [float(q.args[1]), int(q.args[2])]
+
+    output = next(n for n in converted.graph.nodes if n.op == "output")
+    logits = torch.utils._pytree.tree_leaves(output.args[0])[0]
+    return {
+        "logits": [float(logits.args[1]), int(logits.args[2])],
+        "mask": input_qparams(placeholders[1]),
+        "k": [input_qparams(n) for n in placeholders[-2 * n_layers : -n_layers]],
+        "v": [input_qparams(n) for n in placeholders[-n_layers:]],
+    }
+
+
+def compile_pte(
+    model: LoadedModel, cfg, qdq: QuantizedModel, r3: bool, cache: Cache, timer: StageTimer, versions: dict
+) -> DeployedProgram:
+    from executorch.backends.qualcomm._passes import TagQuantIO
+    from executorch.backends.qualcomm._passes.build_quant_io import BuildQuantIo
+    from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
+    from executorch.backends.qualcomm.utils.constants import (
+        QCOM_PASS_ACTIVATE_KEY,
+        QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY,
+    )
+    from executorch.backends.qualcomm.utils.utils import (
+        generate_htp_compiler_spec,
+        generate_qnn_executorch_compiler_spec,
+        to_edge_transform_and_lower_to_qnn,
+    )
+    from executorch.devtools.backend_debug import get_delegation_info
+    from executorch.examples.qualcomm.oss_scripts.llama.wrappers.llm_wrappers import TextDecoder
+    from executorch.exir.capture._config import ExecutorchBackendConfig
+    from executorch.exir.passes.memory_planning_pass import MemoryPlanningPass
+
+    from qexp import upstream
+
+    sdk = ensure_qnn_sdk(cache)
+    backend = cfg.backend
+    context = int(backend.max_seq_len)
+    ar_lens = graph_ar_lens(backend)
+    key = stable_hash({
+        "version": _LOWER_CACHE_VERSION, "qdq": qdq.key, "soc": backend.soc.value, "ar_lens": ar_lens,
+        "context": context, "qnn": sdk.version, "versions": versions,
+    }, length=24)
+    kv_type = torch.uint8 if kv_io_bits(cfg.quant) == 8 else torch.uint16
+
+    def build(tmp: Path) -> dict:
+        stats = torch.load(qdq.program_path.parent / OBSERVERS, weights_only=True)
+        modules, inputs, passes, deps, specs, encodings = {}, {}, {}, {}, {}, {}
+        manager = get_qnn_pass_manager_cls()
+        constant_methods = None
+        for name, ar_len in ar_lens.items():
+            with timer.stage(f"quantize_{name}"):
+                converted, static = quantized_graph(model, context, ar_len, r3, cfg.quant, cfg.observer, stats)
+            meta = static.module.get_metadata()
+            head_dim = meta["get_head_dim"]
+            # upstream's own I/O tagging rule (TextDecoder._tag_ios), fed the attributes it reads
+            shapes = SimpleNamespace(
+                meta=meta,
+                io_shape={(1, ar_len, meta["get_vocab_size"])},
+                kv_cache_shape={(head_dim, context), (context, head_dim), (head_dim, ar_len), (ar_len, head_dim)},
+                control_args=SimpleNamespace(decoder_model=cfg.model.arch),
+            )
+            job = manager.get_capture_program_passes()
+            job[TagQuantIO][QCOM_PASS_ACTIVATE_KEY] = True
+            job[TagQuantIO][QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY]["get_quant_io_dtype_fn"] = partial(
+                TextDecoder._tag_ios, shapes, fixed_point_type={"kv_type": kv_type, "io_type": torch.uint16}
+            )
+            modules[name], inputs[name], passes[name] = converted, static.example_inputs(), job
+            deps[name] = manager.get_passes_dependency_for_capture_program()
+            specs[name] = generate_qnn_executorch_compiler_spec(
+                soc_model=getattr(upstream.QcomChipset, backend.soc.value),
+                backend_options=generate_htp_compiler_spec(use_fp16=False, use_weight_sharing=False),
+                shared_buffer=False,  # the x86 emulator supports neither shared buffers nor weight sharing
+                use_mha2sha=True,
+            )
+            encodings[name] = io_encodings(converted, static.n_layers)
+            if constant_methods is None:
+                constant_methods = {k: v for k, v in meta.items() if k != "get_ar_len"}
+                constant_methods["get_logits_scale"], constant_methods["get_logits_zero_point"] = encodings[name]["logits"]
+        with timer.stage("lower"):
+            edge = to_edge_transform_and_lower_to_qnn(
+                module=modules, inputs=inputs, compiler_specs=specs, constant_methods=constant_methods,
+                dep_table=deps, passes_job=passes, skip_node_op_set={"llama.fallback.default"},
+            )
+        delegation = {}
+        for name in ar_lens:
+            info = get_delegation_info(edge.exported_program(name).graph_module)
+            delegation[name] = {"delegated": info.num_delegated_nodes, "non_delegated": info.num_non_delegated_nodes}
+        with timer.stage("to_executorch"):
+            program = edge.to_executorch(ExecutorchBackendConfig(
+                memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, alloc_graph_output=False),
+                passes=[BuildQuantIo()],
+            ))
+            (tmp / PTE_FILE).write_bytes(program.buffer)
+        meta = {
+            "graphs": ar_lens, "context": context, "n_layers": model.params["n_layers"], "kv_bits": kv_io_bits(cfg.quant),
+            "encodings": encodings, "delegation": delegation, "soc": backend.soc.value, "qnn": sdk.version,
+            "qdq_key": qdq.key,
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+        return {"pte_bytes": len(program.buffer)}
+
+    path, hit = cache.get_or_build("pte", key, build)
+    log.info("HTP program %s (%s)", path / PTE_FILE, "cache hit" if hit else "compiled")
+    return DeployedProgram(path / PTE_FILE, json.loads((path / META_FILE).read_text()), key, hit)
