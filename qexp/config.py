@@ -102,6 +102,9 @@ class ModelConfig:
     tokenizer: Optional[str] = None  # tokenizer.model (sentencepiece or tiktoken) or tokenizer.json
     add_bos: bool = False  # start every evaluation window with BOS (Llama/Gemma: yes; SmolLM2 was trained without)
     r3: Optional[bool] = None  # SpinQuant R3 Hadamard rotation in attention; null = upstream's value for `arch`
+    # Lower the R3 rotation as QNN's HadamardTransform op (upstream's default) or keep it a matmul. QNN 2.49's HTP
+    # cannot build the op in SmolLM2's AR-N prefill graph (see qexp/quantize.py), so the smollm2 preset keeps matmul.
+    recompose_hadamard: bool = True
     tiny: TinyModelSpec = field(default_factory=TinyModelSpec)
 
 
@@ -165,6 +168,10 @@ class EvalConfig:
     name: str = "wikitext"
     seq_len: int = 256  # tokens per window (including BOS when the model adds one)
     limit: int = 8  # number of windows
+    # On-target (HTP) perplexity is computed on a subset of these windows: this many tokens through the AR-N prefill
+    # graph (whole windows first), or htp_kv_tokens token by token when only the kv graph exists.
+    htp_tokens: int = 256
+    htp_kv_tokens: int = 32
 
 
 @dataclass
@@ -192,7 +199,17 @@ class BackendConfig:
 @dataclass
 class KvConfig:
     name: str = "smart_mask"
-    update: KvUpdate = KvUpdate.smart_mask
+    updater: KvUpdate = KvUpdate.smart_mask  # (not "update": DictConfig.update is a method)
+
+
+@dataclass
+class BenchConfig:
+    """Speed measurement of a deployed model (TTFT, prefill and decode tokens/s)."""
+
+    prompt_len: int = 32
+    new_tokens: int = 8
+    warmup: int = 1
+    repeats: int = 3
 
 
 @dataclass
@@ -216,6 +233,7 @@ class QexpConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     kv: KvConfig = field(default_factory=KvConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     # Where derived artifacts (dequantized models, calibrated programs) are cached, content-addressed.
     cache_dir: str = MISSING

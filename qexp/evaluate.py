@@ -51,6 +51,20 @@ class Windows:
     def n_predicted(self) -> int:
         return self.n_windows * (self.seq_len - self.first_target)
 
+    def head(self, n_windows: int, n_tokens: int, tokenizer: Tokenizer) -> "Windows":
+        """The first n_tokens of the first n_windows windows: a subset every phase can score identically."""
+        from lm_eval.api.task import PerplexityTask
+
+        ids = self.ids[:n_windows, :n_tokens]
+        text = [tokenizer.decode(row[self.first_target :]) for row in ids]
+        return Windows(
+            ids=ids,
+            first_target=self.first_target,
+            words=np.array([PerplexityTask.count_words(t) for t in text]),
+            bytes=np.array([PerplexityTask.count_bytes(t) for t in text]),
+            add_bos=self.add_bos,
+        )
+
 
 def make_windows(text: str, tokenizer: Tokenizer, seq_len: int, limit: int, add_bos: bool) -> Windows:
     from lm_eval.api.task import PerplexityTask
@@ -99,6 +113,13 @@ class EvalResult:
     top1: np.ndarray  # int64 [n_windows, seq_len - first_target]: argmax predictions (for agreement)
     logits: List[torch.Tensor] = field(default_factory=list)  # full logits of the first `keep_logits` windows
     extras: Dict[str, float] = field(default_factory=dict)
+
+    def head(self, windows: Windows) -> "EvalResult":
+        """This result restricted to a `Windows.head` subset (causal: the first positions do not see the rest)."""
+        n = windows.seq_len - windows.first_target
+        return EvalResult(
+            logprobs=self.logprobs[: windows.n_windows, :n], windows=windows, top1=self.top1[: windows.n_windows, :n]
+        )
 
     def metrics(self, rows: Optional[np.ndarray] = None) -> Dict[str, float]:
         from lm_eval.api.metrics import bits_per_byte, weighted_perplexity

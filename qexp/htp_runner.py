@@ -190,3 +190,67 @@ class HtpRunner:
             if index + 1 < len(ids):
                 cache.update(k_out, v_out, 1)
         return torch.cat(rows), cache.stats
+
+
+@dataclass
+class Generation:
+    tokens: List[int]
+    ttft_s: float  # prompt in -> first new token out
+    prefill_s: float
+    decode_s: float  # the remaining n_new - 1 tokens
+    n_prompt: int
+    update: UpdateStats
+
+
+def _generate(runner: "HtpRunner", prompt: Sequence[int], n_new: int, updater: str) -> Generation:
+    graphs = runner.meta["graphs"]
+    decode_cache = runner.new_cache(KV_GRAPH, updater)
+    start = time.perf_counter()
+    if PREFILL_GRAPH in graphs:  # hybrid / lookahead: the prompt in AR-N chunks, filling the decode cache too
+        ar = runner.ar_len(PREFILL_GRAPH)
+        prefill_cache = runner.new_cache(PREFILL_GRAPH)
+        for chunk_start in range(0, len(prompt), ar):
+            chunk = list(prompt[chunk_start : chunk_start + ar])
+            logits, k_out, v_out = runner._run(PREFILL_GRAPH, chunk, prefill_cache, len(chunk))
+            if chunk_start + ar < len(prompt):
+                prefill_cache.update(k_out, v_out, len(chunk))
+            decode_cache.update(k_out, v_out, len(chunk))
+    else:  # kv mode: the prompt token by token
+        for token in prompt:
+            logits, k_out, v_out = runner._run(KV_GRAPH, [token], decode_cache, 1)
+            decode_cache.update(k_out, v_out, 1)
+    token = int(logits[-1].argmax())
+    prefill_end = time.perf_counter()
+    tokens = [token]
+    decode_cache.stats = UpdateStats()  # per-token update cost of decoding only
+    for _ in range(n_new - 1):
+        logits, k_out, v_out = runner._run(KV_GRAPH, [token], decode_cache, 1)
+        decode_cache.update(k_out, v_out, 1)
+        token = int(logits[-1].argmax())
+        tokens.append(token)
+    end = time.perf_counter()
+    return Generation(tokens, prefill_end - start, prefill_end - start, end - prefill_end, len(prompt),
+                      decode_cache.stats)
+
+
+def measure_speed(runner: "HtpRunner", prompt: Sequence[int], n_new: int, updater: str, warmup: int, repeats: int):
+    """TTFT, prefill and decode tokens/s over `repeats` runs after `warmup` runs: median and p90, plus the KV update
+    cost per decoded token. Returns (metrics, tokens of the last run)."""
+    import numpy as np
+
+    for _ in range(warmup):
+        _generate(runner, prompt, n_new, updater)
+    runs = [_generate(runner, prompt, n_new, updater) for _ in range(max(repeats, 1))]
+    ttft = np.array([r.ttft_s for r in runs]) * 1000
+    prefill = np.array([r.n_prompt / r.prefill_s for r in runs])
+    decode = np.array([(n_new - 1) / r.decode_s for r in runs]) if n_new > 1 else np.array([float("nan")])
+    metrics = {
+        "ttft_ms": float(np.median(ttft)),
+        "ttft_ms_p90": float(np.percentile(ttft, 90)),
+        "prefill_tok_s": float(np.median(prefill)),
+        "prefill_tok_s_p10": float(np.percentile(prefill, 10)),  # the slow tail of a rate
+        "decode_tok_s": float(np.median(decode)),
+        "decode_tok_s_p10": float(np.percentile(decode, 10)),
+        **{f"kv_{k}": v for k, v in runs[-1].update.per_token().items()},
+    }
+    return metrics, runs[-1].tokens

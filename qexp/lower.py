@@ -68,7 +68,9 @@ class DeployedProgram:
         return self.pte_path.stat().st_size
 
 
-def quantized_graph(model: LoadedModel, context: int, ar_len: int, r3: bool, quant, observer, stats: dict):
+def quantized_graph(
+    model: LoadedModel, context: int, ar_len: int, r3: bool, quant, observer, stats: dict, recompose_hadamard: bool
+):
     """The static llama for `ar_len`, quantized with the calibration graph's observer statistics."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
@@ -76,7 +78,7 @@ def quantized_graph(model: LoadedModel, context: int, ar_len: int, r3: bool, qua
     example = static.example_inputs()
     with torch.no_grad():
         graph = torch.export.export(static.module, example, strict=EXPORT_STRICT).module()
-        prepared = prepare_pt2e(graph, make_quantizer(quant, observer))
+        prepared = prepare_pt2e(graph, make_quantizer(quant, observer, recompose_hadamard=recompose_hadamard))
     names = {n.target for n in prepared.graph.nodes if n.op == "call_module" and n.target in stats}
     if len(names) != len(stats):
         raise RuntimeError(f"graph AR-{ar_len} has {len(names)} of the calibration graph's {len(stats)} observers")
@@ -157,7 +159,9 @@ def compile_pte(
         constant_methods = None
         for name, ar_len in ar_lens.items():
             with timer.stage(f"quantize_{name}"):
-                converted, static = quantized_graph(model, context, ar_len, r3, cfg.quant, cfg.observer, stats)
+                converted, static = quantized_graph(
+                    model, context, ar_len, r3, cfg.quant, cfg.observer, stats, cfg.model.recompose_hadamard
+                )
             meta = static.module.get_metadata()
             head_dim = meta["get_head_dim"]
             # upstream's own I/O tagging rule (TextDecoder._tag_ios), fed the attributes it reads

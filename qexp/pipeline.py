@@ -60,6 +60,10 @@ def validate(cfg: DictConfig) -> None:
         )
     if cfg.eval.limit < 1:
         raise ConfigError(f"eval.limit={cfg.eval.limit}", "evaluate at least one window")
+    if cfg.backend.kind == BackendKind.htp:
+        from qexp.deploy import validate_htp
+
+        validate_htp(cfg)
 
 
 def config_hash(cfg: DictConfig) -> str:
@@ -142,7 +146,7 @@ def run_experiment(cfg: DictConfig) -> ExperimentResult:
 def _phases(cfg: DictConfig) -> str:
     phases = ["fp"] + ([] if cfg.quant.scheme == NO_QUANT else ["qdq"])
     if cfg.backend.kind != BackendKind.none:
-        phases.append(str(cfg.backend.kind.value if hasattr(cfg.backend.kind, "value") else cfg.backend.kind))
+        phases.append(cfg.backend.kind.value)
     return ",".join(phases)
 
 
@@ -217,6 +221,7 @@ def _run(cfg: DictConfig) -> ExperimentResult:
             "model": model.fingerprint,
             "arch": cfg.model.arch,
             "r3": static.r3,
+            "recompose_hadamard": cfg.model.recompose_hadamard,
             "context": cfg.export.max_context_len,
             "quant": OmegaConf.to_container(cfg.quant, resolve=True, enum_to_str=True),
             "observer": OmegaConf.to_container(cfg.observer, resolve=True, enum_to_str=True),
@@ -224,7 +229,8 @@ def _run(cfg: DictConfig) -> ExperimentResult:
             "versions": {k: v for k, v in environment_tags().items() if k.startswith("version.")},
         }, length=24)
         with timer.stage("quantize"):
-            qdq_model = quantize(static, cfg.quant, cfg.observer, calibration, cache, key, timer=timer)
+            qdq_model = quantize(static, cfg.quant, cfg.observer, calibration, cache, key, timer=timer,
+                                 recompose_hadamard=cfg.model.recompose_hadamard)
         tags.update({"qdq_cache_key": key, "qdq_cache_hit": str(qdq_model.cache_hit).lower()})
 
         with timer.stage("eval_qdq"):
@@ -244,8 +250,13 @@ def _run(cfg: DictConfig) -> ExperimentResult:
         Tracker.text(table.to_csv(index=False), "quant/encodings.csv")
         Tracker.text(summarize_encodings(table), "quant/summary.txt")
 
-    if cfg.backend.kind != BackendKind.none:
-        raise ConfigError(f"backend {cfg.backend.name} is not available yet", "use backend=none")
+    if cfg.backend.kind == BackendKind.htp:
+        from qexp.deploy import run_htp_phase
+
+        versions = {k: v for k, v in environment_tags().items() if k.startswith("version.")}
+        htp_metrics, htp_tags = run_htp_phase(cfg, model, static, qdq_model, windows, fp, qdq, cache, timer, versions)
+        metrics.update(htp_metrics)
+        tags.update(htp_tags)
 
     Tracker.text(pd.DataFrame(per_window).to_csv(index=False), "eval/per_window.csv")
     metrics.update(timer.metrics())

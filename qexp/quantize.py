@@ -146,8 +146,32 @@ def build_recipe(quant: QuantConfig, observer: ObserverConfig):
     return recipe
 
 
-def make_quantizer(quant: QuantConfig, observer: ObserverConfig, soc: str = "SM8650"):
-    quantizer = upstream.QnnQuantizer(soc_model=getattr(upstream.QcomChipset, soc))
+def _quantizer_keeping_hadamard_matmul():
+    """A QnnQuantizer that leaves the R3 Hadamard rotation a plain matmul.
+
+    Upstream's HTP annotation passes include RecomposeHadamard, which (QNN >= 2.47) turns the rotation into QNN's
+    HadamardTransform op. With the QNN 2.49 x86 libraries, HTP graph preparation cannot build the q-side one in an
+    AR-N prefill graph (`could not create op: q::ConvLayer_s1.opt`, FIELD-NOTES), and it accepts only 16-bit
+    activations. Without the pass the rotation stays a matmul with the same weights: same math, buildable.
+    """
+    from executorch.backends.qualcomm._passes import RecomposeHadamard
+    from executorch.backends.qualcomm._passes.backends.htp.qnn_htp_pass_manager import QnnHtpPassManager
+
+    class PassesWithoutHadamardRecompose(QnnHtpPassManager):
+        @classmethod
+        def get_annotation_passes(cls):
+            return [p for p in super().get_annotation_passes() if p is not RecomposeHadamard]
+
+    class QnnQuantizerKeepingHadamardMatmul(upstream.QnnQuantizer):
+        def transform_for_annotation(self, model):
+            return PassesWithoutHadamardRecompose().transform_for_annotation_pipeline(model)
+
+    return QnnQuantizerKeepingHadamardMatmul
+
+
+def make_quantizer(quant: QuantConfig, observer: ObserverConfig, soc: str = "SM8650", recompose_hadamard: bool = True):
+    quantizer_cls = upstream.QnnQuantizer if recompose_hadamard else _quantizer_keeping_hadamard_matmul()
+    quantizer = quantizer_cls(soc_model=getattr(upstream.QcomChipset, soc))
     quantizer.set_recipe(build_recipe(quant, observer))
     return quantizer
 
@@ -170,7 +194,7 @@ class QuantizedModel:
 
 def quantize(
     static: StaticLlama, quant: QuantConfig, observer: ObserverConfig, calibration: CalibrationSet,
-    cache: Cache, key: str, soc: str = "SM8650", timer: StageTimer | None = None,
+    cache: Cache, key: str, soc: str = "SM8650", timer: StageTimer | None = None, recompose_hadamard: bool = True,
 ) -> QuantizedModel:
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
@@ -178,7 +202,7 @@ def quantize(
     built = {}
 
     def build(tmp: Path) -> dict:
-        quantizer = make_quantizer(quant, observer, soc)
+        quantizer = make_quantizer(quant, observer, soc, recompose_hadamard)
         example = static.example_inputs()
         with torch.no_grad():
             with timer.stage("export"):

@@ -101,3 +101,49 @@ def test_missing_qnn_libraries(monkeypatch, tmp_path):
     monkeypatch.setenv("QNN_SDK_ROOT", str(tmp_path))
     with pytest.raises(sdk.QnnLibrariesMissing, match="make setup"):
         sdk.ensure_qnn_sdk(Cache(tmp_path))
+
+
+HTP_RUN = TINY + ["quant=16a8w", "backend=htp", "backend.prefill_ar_len=16", "eval.htp_tokens=64",
+                  "eval.htp_kv_tokens=12", "bench.prompt_len=16", "bench.new_tokens=4", "bench.repeats=2"]
+
+
+@pytest.mark.parametrize("mode,path", [("hybrid", "prefill"), ("kv", "kv")])
+def test_three_phases_in_one_run(compose, store_uri, mode, path):
+    from mlflow.tracking import MlflowClient
+
+    from qexp.pipeline import run_experiment
+
+    result = run_experiment(compose(HTP_RUN + [f"backend.model_mode={mode}", "kv=shift_pointer"]))
+    run = MlflowClient(store_uri).get_run(result.run_id)
+    m, tags = run.data.metrics, run.data.tags
+    assert run.info.status == "FINISHED" and tags["phases"] == "fp,qdq,htp"
+    assert tags["target"] == "x86_emulator" and tags["htp_eval_path"] == path and tags["htp_eval_path_reason"]
+    assert tags["version.qnn_libs"].startswith("onnxruntime-qnn 2.5.0")
+    assert tags["kv_update"] == "shift_pointer"
+    for name in ("ppl_htp", "word_ppl_htp", "bits_per_byte_htp", "ppl_fp_sub", "ppl_qdq_sub", "ppl_htp_vs_qdq",
+                 "top1_agreement_htp_vs_qdq", "ttft_ms", "prefill_tok_s", "decode_tok_s", "pte_bytes",
+                 "time_compile_s", "time_eval_htp_s", "kv_update_bytes_per_token"):
+        assert name in m, name
+    assert abs(m["ppl_htp_vs_qdq"]) < 0.02 and m["top1_agreement_htp_vs_qdq"] > 0.9
+    assert m["htp_eval_tokens"] == (63 if path == "prefill" else 11)
+
+
+def test_unknown_soc_lists_valid(compose):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as err:
+        compose(HTP_RUN + ["backend.soc=SM9999"])
+    assert "SM8650" in str(err.value.__cause__) and "SM8750" in str(err.value.__cause__)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("quant=fp32", "quantized scheme"),
+    ("backend.max_seq_len=128", "calibrated for"),
+    ("backend.target=android", "android"),
+])
+def test_bad_htp_configs(compose, override, match):
+    from qexp.errors import ConfigError
+    from qexp.pipeline import validate
+
+    with pytest.raises(ConfigError, match=match):
+        validate(compose(HTP_RUN + [override]))

@@ -1,0 +1,120 @@
+"""Deploy phase (backend=htp): compile the calibrated model for a SoC, run it, score it on-target, time it.
+
+On this machine the target is the x86_64 HTP emulator: every timing is tagged target=x86_emulator and measures
+the emulator, not a phone. On-target perplexity uses a subset of the evaluation windows (the emulator is slow), and
+the FP and QDQ phases are scored on exactly that subset too (`*_sub`), so the three are comparable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Dict, Tuple
+
+from qexp.cache import Cache
+from qexp.config import Target
+from qexp.errors import ConfigError, InputError
+from qexp.evaluate import EvalResult, Windows, evaluate
+from qexp.lower import META_FILE, PREFILL_GRAPH, DeployedProgram, compile_pte
+from qexp.qnn_sdk import ensure_qnn_sdk
+from qexp.timing import StageTimer
+
+log = logging.getLogger("qexp")
+
+
+def validate_htp(cfg) -> None:
+    backend = cfg.backend
+    if cfg.quant.scheme == "fp32":
+        raise ConfigError("backend=htp needs a quantized scheme, not quant=fp32", "choose e.g. quant=16a8w")
+    if backend.max_seq_len != cfg.export.max_context_len:
+        raise ConfigError(
+            f"backend.max_seq_len={backend.max_seq_len} differs from export.max_context_len="
+            f"{cfg.export.max_context_len}, the context the model was calibrated for",
+            "set both to the same value (backend.max_seq_len defaults to export.max_context_len)",
+        )
+    if not 1 <= backend.prefill_ar_len < backend.max_seq_len:
+        raise ConfigError(f"backend.prefill_ar_len={backend.prefill_ar_len}", "use 1 <= prefill_ar_len < max_seq_len")
+    if cfg.bench.prompt_len + cfg.bench.new_tokens > backend.max_seq_len:
+        raise ConfigError("bench.prompt_len + bench.new_tokens exceeds the context", "shorten them")
+    if backend.target == Target.android:
+        raise ConfigError("backend.target=android is not available yet", "use backend.target=x86_emulator")
+
+
+def load_program(path: str) -> DeployedProgram:
+    pte = Path(path).expanduser()
+    meta_path = pte.parent / META_FILE
+    if not pte.is_file():
+        raise InputError(f"backend.pte_path not found: {pte}", "pass a .pte that qexp compiled (its cache entry)")
+    if not meta_path.is_file():
+        raise InputError(
+            f"{meta_path.name} missing beside {pte}",
+            "qexp needs the I/O encodings it writes next to the .pte it compiles; pass such a .pte",
+        )
+    return DeployedProgram(pte, json.loads(meta_path.read_text()), key="pre-generated", cache_hit=True)
+
+
+def htp_subset(windows: Windows, tokens: int, tokenizer) -> Windows:
+    """Whole windows first; a budget below one window takes the first `tokens` tokens of window 0."""
+    if tokens >= windows.seq_len:
+        return windows.head(min(windows.n_windows, tokens // windows.seq_len), windows.seq_len, tokenizer)
+    return windows.head(1, max(tokens, 2), tokenizer)
+
+
+def run_htp_phase(
+    cfg, model, static, qdq_model, windows: Windows, fp: EvalResult, qdq: EvalResult, cache: Cache,
+    timer: StageTimer, versions: dict,
+) -> Tuple[Dict[str, float], Dict[str, str]]:
+    from qexp.htp_runner import HtpRunner, measure_speed
+
+    backend = cfg.backend
+    metrics: Dict[str, float] = {}
+    sdk = ensure_qnn_sdk(cache)
+    tags = {"target": backend.target.value, "version.qnn_libs": sdk.version, "htp_soc": backend.soc.value,
+            "htp_model_mode": backend.model_mode.value, "kv_update": cfg.kv.updater.value}
+
+    with timer.stage("compile"):
+        if backend.pte_path:
+            program = load_program(backend.pte_path)
+        else:
+            program = compile_pte(model, cfg, qdq_model, static.r3, cache, timer, versions)
+    tags.update({"pte_cache_key": program.key, "pte_cache_hit": str(program.cache_hit).lower()})
+    metrics["pte_bytes"] = program.pte_bytes
+    for graph, counts in program.meta["delegation"].items():
+        metrics[f"delegated_nodes_{graph}"] = counts["delegated"]
+        metrics[f"non_delegated_nodes_{graph}"] = counts["non_delegated"]
+    runner = HtpRunner(program)
+
+    # ---- on-target perplexity, on a subset scored identically by every phase
+    if PREFILL_GRAPH in program.meta["graphs"]:
+        path, reason, budget = "prefill", f"AR-{program.meta['graphs'][PREFILL_GRAPH]} prefill graph", cfg.eval.htp_tokens
+        logits_fn = runner.prefill_logits
+    else:
+        path, reason, budget = "kv", "model_mode=kv compiles no AR-N graph: token by token", cfg.eval.htp_kv_tokens
+        logits_fn = lambda ids: runner.kv_logits(ids, cfg.kv.updater.value)[0]  # noqa: E731
+    subset = htp_subset(windows, budget, model.tokenizer)
+    fp_sub, qdq_sub = fp.head(subset), qdq.head(subset)
+    with timer.stage("eval_htp"):
+        htp = evaluate(logits_fn, subset, "HTP", reference=qdq_sub)
+    tags.update({"htp_eval_path": path, "htp_eval_path_reason": reason})
+    metrics.update({f"{k}_htp": v for k, v in htp.metrics().items()})
+    metrics.update({f"{k}_fp_sub": v for k, v in fp_sub.metrics().items() if k in ("ppl", "word_ppl")})
+    metrics.update({f"{k}_qdq_sub": v for k, v in qdq_sub.metrics().items() if k in ("ppl", "word_ppl")})
+    metrics["ppl_htp_vs_qdq"] = metrics["ppl_htp"] / metrics["ppl_qdq_sub"] - 1.0
+    metrics["top1_agreement_htp_vs_qdq"] = htp.extras["top1_agreement"]
+    metrics["htp_eval_tokens"] = subset.n_predicted
+    metrics["htp_eval_windows"] = subset.n_windows
+    log.info("HTP (%s, %s): ppl %.3f vs QDQ %.3f on the same %d tokens (%+.2f%%), top-1 agreement %.3f",
+             backend.target.value, path, metrics["ppl_htp"], metrics["ppl_qdq_sub"], subset.n_predicted,
+             100 * metrics["ppl_htp_vs_qdq"], metrics["top1_agreement_htp_vs_qdq"])
+
+    # ---- speed, labelled with its target
+    prompt = [int(t) for t in windows.ids[0][: cfg.bench.prompt_len]]
+    with timer.stage("bench_htp"):
+        speed, _ = measure_speed(runner, prompt, cfg.bench.new_tokens, cfg.kv.updater.value, cfg.bench.warmup,
+                                 cfg.bench.repeats)
+    metrics.update({k: v for k, v in speed.items() if not (isinstance(v, float) and math.isnan(v))})
+    log.info("speed on %s (NOT phone speed when x86_emulator): TTFT %.0f ms, prefill %.2f tok/s, decode %.2f tok/s",
+             backend.target.value, speed["ttft_ms"], speed["prefill_tok_s"], speed["decode_tok_s"])
+    return metrics, tags
