@@ -191,6 +191,10 @@ class BackendConfig:
     max_seq_len: int = 256  # context of the deployed graphs; must equal export.max_context_len (the calibration)
     target: Target = Target.x86_emulator
     pte_path: Optional[str] = None  # run this pre-generated .pte instead of compiling
+    # target=android (a phone over adb; not verifiable on this machine)
+    serial: Optional[str] = None  # adb serial (null = the only attached device)
+    runner: Optional[str] = None  # a user-built qnn_llama_runner (ExecuTorch Qualcomm backend, Android)
+    qnn_lib_dir: Optional[str] = None  # the device's QNN libraries (libQnnHtp.so, libQnnHtpV*Stub.so, skels, ...)
     ngram: int = 3  # lookahead
     window: int = 2
     gcap: int = 2

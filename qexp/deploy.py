@@ -38,8 +38,6 @@ def validate_htp(cfg) -> None:
         raise ConfigError(f"backend.prefill_ar_len={backend.prefill_ar_len}", "use 1 <= prefill_ar_len < max_seq_len")
     if cfg.bench.prompt_len + cfg.bench.new_tokens > backend.max_seq_len:
         raise ConfigError("bench.prompt_len + bench.new_tokens exceeds the context", "shorten them")
-    if backend.target == Target.android:
-        raise ConfigError("backend.target=android is not available yet", "use backend.target=x86_emulator")
 
 
 def load_program(path: str) -> DeployedProgram:
@@ -62,14 +60,48 @@ def htp_subset(windows: Windows, tokens: int, tokenizer) -> Windows:
     return windows.head(1, max(tokens, 2), tokenizer)
 
 
+def runtime_tokenizer(model, cache: Cache) -> str:
+    """The tokenizer file qnn_llama_runner reads: tokenizer.json (HF), tokenizer.bin (llama2c), tokenizer.model."""
+    tokenizer = model.tokenizer
+    if tokenizer.kind == "hf":
+        return str(Path(tokenizer.path) / "tokenizer.json")
+    if tokenizer.kind == "tiktoken":
+        return tokenizer.path
+
+    from qexp.cache import file_sha256
+
+    def build(tmp: Path) -> dict:
+        import subprocess
+        import sys
+
+        subprocess.run([sys.executable, "-m", "pytorch_tokenizers.tools.llama2c.convert", "-t", tokenizer.path,
+                        "-o", str(tmp / "tokenizer.bin")], check=True, capture_output=True)
+        return {}
+
+    entry, _ = cache.get_or_build("tokenizer_bin", file_sha256(tokenizer.path)[:24], build)
+    return str(entry / "tokenizer.bin")
+
+
+def android_target(cfg, model, cache: Cache, adb=None):
+    from executorch.examples.qualcomm.oss_scripts.llama.decoder_constants import DECODER_MODEL_VERSION
+
+    from qexp.android import AndroidTarget
+
+    target = AndroidTarget(cfg.backend, "", DECODER_MODEL_VERSION.get(cfg.model.arch, "llama3"), adb=adb)
+    target.check()  # before any compile: a missing adb / device / runner is one line, not minutes later
+    target.runtime_tokenizer = runtime_tokenizer(model, cache)
+    return target
+
+
 def run_htp_phase(
     cfg, model, static, qdq_model, windows: Windows, fp: EvalResult, qdq: EvalResult, cache: Cache,
-    timer: StageTimer, versions: dict,
+    timer: StageTimer, versions: dict, adb=None,
 ) -> Tuple[Dict[str, float], Dict[str, str]]:
     from qexp.htp_runner import HtpRunner, measure_speed
 
     backend = cfg.backend
     metrics: Dict[str, float] = {}
+    device = android_target(cfg, model, cache, adb) if backend.target == Target.android else None
     sdk = ensure_qnn_sdk(cache)
     tags = {"target": backend.target.value, "version.qnn_libs": sdk.version, "htp_soc": backend.soc.value,
             "htp_model_mode": backend.model_mode.value, "kv_update": cfg.kv.updater.value}
@@ -84,6 +116,8 @@ def run_htp_phase(
     for graph, counts in program.meta["delegation"].items():
         metrics[f"delegated_nodes_{graph}"] = counts["delegated"]
         metrics[f"non_delegated_nodes_{graph}"] = counts["non_delegated"]
+    if device is not None:
+        return _run_on_device(cfg, model, program, device, windows, fp, qdq, timer, metrics, tags)
     runner = HtpRunner(program)
 
     # ---- on-target perplexity, on a subset scored identically by every phase
@@ -98,13 +132,7 @@ def run_htp_phase(
     with timer.stage("eval_htp"):
         htp = evaluate(logits_fn, subset, "HTP", reference=qdq_sub)
     tags.update({"htp_eval_path": path, "htp_eval_path_reason": reason})
-    metrics.update({f"{k}_htp": v for k, v in htp.metrics().items()})
-    metrics.update({f"{k}_fp_sub": v for k, v in fp_sub.metrics().items() if k in ("ppl", "word_ppl")})
-    metrics.update({f"{k}_qdq_sub": v for k, v in qdq_sub.metrics().items() if k in ("ppl", "word_ppl")})
-    metrics["ppl_htp_vs_qdq"] = metrics["ppl_htp"] / metrics["ppl_qdq_sub"] - 1.0
-    metrics["top1_agreement_htp_vs_qdq"] = htp.extras["top1_agreement"]
-    metrics["htp_eval_tokens"] = subset.n_predicted
-    metrics["htp_eval_windows"] = subset.n_windows
+    _subset_metrics(metrics, htp, fp_sub, qdq_sub, subset)
     log.info("HTP (%s, %s): ppl %.3f vs QDQ %.3f on the same %d tokens (%+.2f%%), top-1 agreement %.3f",
              backend.target.value, path, metrics["ppl_htp"], metrics["ppl_qdq_sub"], subset.n_predicted,
              100 * metrics["ppl_htp_vs_qdq"], metrics["top1_agreement_htp_vs_qdq"])
@@ -117,4 +145,33 @@ def run_htp_phase(
     metrics.update({k: v for k, v in speed.items() if not (isinstance(v, float) and math.isnan(v))})
     log.info("speed on %s (NOT phone speed when x86_emulator): TTFT %.0f ms, prefill %.2f tok/s, decode %.2f tok/s",
              backend.target.value, speed["ttft_ms"], speed["prefill_tok_s"], speed["decode_tok_s"])
+    return metrics, tags
+
+
+def _subset_metrics(metrics: dict, htp: EvalResult, fp_sub: EvalResult, qdq_sub: EvalResult, subset: Windows) -> None:
+    metrics.update({f"{k}_htp": v for k, v in htp.metrics().items()})
+    metrics.update({f"{k}_fp_sub": v for k, v in fp_sub.metrics().items() if k in ("ppl", "word_ppl")})
+    metrics.update({f"{k}_qdq_sub": v for k, v in qdq_sub.metrics().items() if k in ("ppl", "word_ppl")})
+    metrics["ppl_htp_vs_qdq"] = metrics["ppl_htp"] / metrics["ppl_qdq_sub"] - 1.0
+    metrics["top1_agreement_htp_vs_qdq"] = htp.extras["top1_agreement"]
+    metrics["htp_eval_tokens"] = subset.n_predicted
+    metrics["htp_eval_windows"] = subset.n_windows
+
+
+def _run_on_device(cfg, model, program, device, windows, fp, qdq, timer, metrics, tags):
+    """Same metrics as the emulator path, measured by the phone's qnn_llama_runner (target=android)."""
+    with timer.stage("deploy_android"):
+        device.deploy(program.pte_path)
+    first = next(iter(program.meta["encodings"].values()))
+    scale, zero_point = first["logits"]
+    vocab = model.params["vocab_size"]
+    subset = htp_subset(windows, cfg.eval.htp_tokens, model.tokenizer)
+    fp_sub, qdq_sub = fp.head(subset), qdq.head(subset)
+    with timer.stage("eval_htp"):
+        htp = evaluate(lambda ids: device.logits(ids, vocab, scale, zero_point), subset, "HTP", reference=qdq_sub)
+    tags.update({"htp_eval_path": "device_kv", "htp_eval_path_reason": "qnn_llama_runner --dump_logits_path"})
+    _subset_metrics(metrics, htp, fp_sub, qdq_sub, subset)
+    prompt_text = model.tokenizer.decode(windows.ids[0][windows.first_target : cfg.bench.prompt_len])
+    with timer.stage("bench_htp"):
+        metrics.update(device.speed(prompt_text, cfg.backend.model_mode.value, cfg.backend.max_seq_len))
     return metrics, tags
