@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Dict, Tuple
 
 from qexp.cache import Cache
-from qexp.config import Target
+from qexp.config import ModelMode, Target
 from qexp.errors import ConfigError, InputError
 from qexp.evaluate import EvalResult, Windows, evaluate
 from qexp.lower import META_FILE, PREFILL_GRAPH, DeployedProgram, compile_pte
@@ -36,6 +36,11 @@ def validate_htp(cfg) -> None:
         )
     if not 1 <= backend.prefill_ar_len < backend.max_seq_len:
         raise ConfigError(f"backend.prefill_ar_len={backend.prefill_ar_len}", "use 1 <= prefill_ar_len < max_seq_len")
+    if backend.model_mode == ModelMode.lookahead:
+        raise ConfigError(
+            "backend.model_mode=lookahead: qexp's runner does not implement lookahead decoding yet",
+            "use backend.model_mode=hybrid (or kv)",
+        )
     if cfg.bench.prompt_len + cfg.bench.new_tokens > backend.max_seq_len:
         raise ConfigError("bench.prompt_len + bench.new_tokens exceeds the context", "shorten them")
 

@@ -35,6 +35,7 @@ def test_default_config(compose):
 def test_every_experiment_composes_and_validates(compose, experiment):
     cfg = compose([f"+experiment={experiment}"])
     assert cfg.quant.name == experiment.replace("_wikitext", "")
+    assert cfg.backend.name == ("none" if experiment.startswith("fp32") else "htp")  # all phases the scheme allows
     validate(cfg)
 
 

@@ -39,7 +39,9 @@ def test_fp_perplexity_matches_transformers(compose, cache_dir):
 
 
 def test_default_experiment_end_to_end(compose, store_uri):
-    cfg = compose(["+experiment=16a4w_wikitext", "eval.limit=3", "calibration.limit=3"])
+    """FP, QDQ and HTP (compiled for SM8650, run on the x86 emulator) phases of the default experiment."""
+    cfg = compose(["+experiment=16a4w_wikitext", "eval.limit=2", "calibration.limit=4", "eval.htp_tokens=64",
+                   "bench.warmup=0", "bench.repeats=1"])
     result = run_experiment(cfg)
     m = result.metrics
     assert 8 < m["ppl_fp"] < 60
@@ -49,3 +51,7 @@ def test_default_experiment_end_to_end(compose, store_uri):
     run = MlflowClient(store_uri).get_run(result.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["text_source"]
     assert run.data.params["quant.scheme"] == "16a4w"
+    # the HTP phase: the prefill graph built (R3 kept as matmul) and agrees with the CPU QDQ program
+    assert run.data.tags["target"] == "x86_emulator" and run.data.tags["htp_eval_path"] == "prefill"
+    assert abs(m["ppl_htp_vs_qdq"]) < 0.1 and m["top1_agreement_htp_vs_qdq"] > 0.8
+    assert m["decode_tok_s"] > 0 and m["pte_bytes"] > 50e6

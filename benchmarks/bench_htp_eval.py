@@ -1,0 +1,105 @@
+"""On-target evaluation cost: the AR-N prefill graph vs kv-graph stepping, on the same tokens, in one run.
+
+Compiles (or reuses from the cache) a hybrid HTP program, then scores the same window prefix both ways on the x86
+HTP emulator, alternating, and prints/logs the time ratio (target: prefill path >= 10x faster) and the perplexity
+difference (target: equal to 1e-3). Emulator timings measure the emulator, not a phone.
+
+    .venv/bin/python benchmarks/bench_htp_eval.py [--tokens 64] [--repeats 1] [hydra overrides ...]
+    .venv/bin/python benchmarks/bench_htp_eval.py --tokens 48 model=tiny eval.seq_len=64   # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    import qexp.config  # noqa: F401
+    from qexp.cache import Cache
+    from qexp.calibration import build_calibration
+    from qexp.evaluate import make_windows
+    from qexp.htp_runner import HtpRunner
+    from qexp.load import load_model
+    from qexp.lower import compile_pte
+    from qexp.pipeline import QDQ_CACHE_VERSION, environment_tags
+    from qexp.quantize import quantize
+    from qexp.static_model import StaticLlama
+    from qexp.text import load_corpus
+    from qexp.timing import StageTimer
+    from qexp.track import resolve_uri
+    from qexp.cache import stable_hash
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=16a8w_wikitext", "backend=htp",
+                                                        "backend.model_mode=hybrid", *args.overrides])
+    cache, timer = Cache(cfg.cache_dir), StageTimer()
+    model = load_model(cfg.model, cache)
+    corpus = load_corpus(cfg.text, cache)
+    context = cfg.export.max_context_len
+    static = StaticLlama(model, context, r3=cfg.model.r3)
+    calibration = build_calibration(cfg.calibration, corpus, model.tokenizer, model.add_bos, context)
+    versions = {k: v for k, v in environment_tags().items() if k.startswith("version.")}
+    key = stable_hash({"bench": "htp_eval", "v": QDQ_CACHE_VERSION, "model": model.fingerprint,
+                       "cfg": OmegaConf.to_container(cfg.quant, enum_to_str=True),
+                       "obs": OmegaConf.to_container(cfg.observer, enum_to_str=True),
+                       "cal": calibration.sha256, "ctx": context, "hadamard": cfg.model.recompose_hadamard,
+                       "versions": versions}, length=24)
+    qdq = quantize(static, cfg.quant, cfg.observer, calibration, cache, key, timer=timer,
+                   recompose_hadamard=cfg.model.recompose_hadamard)
+    program = compile_pte(model, cfg, qdq, static.r3, cache, timer, versions)
+    runner = HtpRunner(program)
+    ids = make_windows(corpus.joined("test"), model.tokenizer, context, 1, model.add_bos).ids[0][: args.tokens]
+    targets = torch.as_tensor(ids[1:], dtype=torch.long)
+
+    def ppl(logits):
+        return torch.exp(-torch.log_softmax(logits[:-1].double(), -1).gather(1, targets[:, None]).mean()).item()
+
+    times = {"prefill": [], "kv": []}
+    results = {}
+    for _ in range(args.repeats):  # alternate, so both see the same machine state
+        start = time.perf_counter()
+        results["prefill"] = runner.prefill_logits(ids)
+        times["prefill"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        results["kv"], _ = runner.kv_logits(ids)
+        times["kv"].append(time.perf_counter() - start)
+    t_prefill, t_kv = statistics.median(times["prefill"]), statistics.median(times["kv"])
+    p_prefill, p_kv = ppl(results["prefill"]), ppl(results["kv"])
+    summary = {
+        "tokens": len(ids), "prefill_ar_len": program.meta["graphs"]["prefill_forward"],
+        "time_prefill_path_s": t_prefill, "time_kv_path_s": t_kv, "speedup_prefill_vs_kv": t_kv / t_prefill,
+        "ppl_prefill_path": p_prefill, "ppl_kv_path": p_kv, "ppl_rel_diff": abs(p_prefill / p_kv - 1),
+    }
+    print(f"model={cfg.model.name} scheme={cfg.quant.scheme} target=x86_emulator (emulator timings, not a phone)")
+    for name, value in summary.items():
+        print(f"  {name:24s} {value:.4g}")
+    print(f"  targets: speedup >= 10 -> {'met' if summary['speedup_prefill_vs_kv'] >= 10 else 'NOT met'}; "
+          f"ppl diff <= 1e-3 -> {'met' if summary['ppl_rel_diff'] <= 1e-3 else 'NOT met'}")
+    mlflow.set_tracking_uri(resolve_uri(cfg.tracking))
+    mlflow.set_experiment("benchmarks")
+    with mlflow.start_run(run_name=f"bench_htp_eval-{cfg.model.name}-{cfg.quant.scheme}"):
+        mlflow.set_tags({"benchmark": "bench_htp_eval", "target": "x86_emulator", "model": cfg.model.name})
+        mlflow.log_metrics(summary)
+
+
+if __name__ == "__main__":
+    main()
