@@ -36,6 +36,18 @@ def validate_htp(cfg) -> None:
         )
     if not 1 <= backend.prefill_ar_len < backend.max_seq_len:
         raise ConfigError(f"backend.prefill_ar_len={backend.prefill_ar_len}", "use 1 <= prefill_ar_len < max_seq_len")
+    from qexp.static_model import arch_flags
+
+    r3 = arch_flags(cfg.model.arch)["r3"] if cfg.model.r3 is None else cfg.model.r3
+    if r3 and cfg.model.recompose_hadamard:
+        # QNN 2.49's HTP cannot build the rotation's HadamardTransform op in an AR-N graph (FIELD-NOTES), rejects it
+        # below 16-bit activations, and the recomposition differs between AR lengths, so the calibration could not
+        # be carried over to the deploy graphs either.
+        raise ConfigError(
+            "backend=htp with the R3 rotation lowered as QNN's HadamardTransform does not build with these QNN "
+            "libraries",
+            "set model.recompose_hadamard=false (the rotation stays a matmul: same weights, same math)",
+        )
     if backend.model_mode == ModelMode.lookahead:
         raise ConfigError(
             "backend.model_mode=lookahead: qexp's runner does not implement lookahead decoding yet",
@@ -130,7 +142,7 @@ def run_htp_phase(
         path, reason, budget = "prefill", f"AR-{program.meta['graphs'][PREFILL_GRAPH]} prefill graph", cfg.eval.htp_tokens
         logits_fn = runner.prefill_logits
     else:
-        path, reason, budget = "kv", "model_mode=kv compiles no AR-N graph: token by token", cfg.eval.htp_kv_tokens
+        path, reason, budget = "kv", "model_mode=kv compiles no AR-N graph", cfg.eval.htp_kv_tokens
         logits_fn = lambda ids: runner.kv_logits(ids, cfg.kv.updater.value)[0]  # noqa: E731
     subset = htp_subset(windows, budget, model.tokenizer)
     fp_sub, qdq_sub = fp.head(subset), qdq.head(subset)

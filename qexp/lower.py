@@ -28,7 +28,8 @@ from qexp.cache import Cache, stable_hash
 from qexp.config import ModelMode
 from qexp.load import LoadedModel
 from qexp.qnn_sdk import ensure_qnn_sdk
-from qexp.quantize import EXPORT_STRICT, OBSERVERS, QuantizedModel, make_quantizer
+from qexp.errors import ConfigError
+from qexp.quantize import EXPORT_STRICT, OBSERVERS, QuantizedModel, make_quantizer, observer_statistics
 from qexp.static_model import StaticLlama
 from qexp.timing import StageTimer
 
@@ -79,9 +80,16 @@ def quantized_graph(
     with torch.no_grad():
         graph = torch.export.export(static.module, example, strict=EXPORT_STRICT).module()
         prepared = prepare_pt2e(graph, make_quantizer(quant, observer, recompose_hadamard=recompose_hadamard))
-    names = {n.target for n in prepared.graph.nodes if n.op == "call_module" and n.target in stats}
-    if len(names) != len(stats):
-        raise RuntimeError(f"graph AR-{ar_len} has {len(names)} of the calibration graph's {len(stats)} observers")
+    own = observer_statistics(prepared)
+    if [(k, v["observes"]) for k, v in own.items()] != [(k, v["observes"]) for k, v in stats.items()]:
+        # Seen with R3 + RecomposeHadamard: the rotation is recomposed into HadamardTransform in some AR lengths only.
+        hint = "set model.recompose_hadamard=false" if r3 and recompose_hadamard else "report this model/config"
+        raise ConfigError(
+            f"the AR-{ar_len} graph does not have the calibration graph's observers ({len(own)} vs {len(stats)}), "
+            "so its encodings cannot be transferred",
+            hint,
+        )
+    names = own.keys()
     for name in names:
         getattr(prepared, name).load_state_dict(stats[name]["state"])
     _tie_cache_inputs_to_outputs(prepared, static.n_layers)

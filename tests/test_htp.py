@@ -147,3 +147,22 @@ def test_bad_htp_configs(compose, override, match):
 
     with pytest.raises(ConfigError, match=match):
         validate(compose(HTP_RUN + [override]))
+
+
+def test_r3_rotation_kept_as_matmul_deploys(compose, store_uri):
+    """The SmolLM2 setting (R3 on, HadamardTransform not recomposed) on the tiny model: builds and matches QDQ."""
+    from qexp.pipeline import run_experiment
+
+    result = run_experiment(compose(HTP_RUN + ["model.r3=true", "model.recompose_hadamard=false"]))
+    assert abs(result.metrics["ppl_htp_vs_qdq"]) < 0.02
+
+
+@pytest.mark.parametrize("scheme", ["8a8w", "16a8w"])
+def test_r3_as_hadamard_transform_is_refused_clearly(compose, scheme):
+    """R3 recomposed into QNN's HadamardTransform: HTP cannot build it in the prefill graph (FIELD-NOTES), rejects it
+    at 8 bits, and its graphs differ between AR lengths. One clear error naming the fix, before any work."""
+    from qexp.errors import ConfigError
+    from qexp.pipeline import validate
+
+    with pytest.raises(ConfigError, match="recompose_hadamard=false"):
+        validate(compose(HTP_RUN + [f"quant={scheme}", "model.r3=true", "model.recompose_hadamard=true"]))
