@@ -40,11 +40,13 @@ def test_fp_perplexity_matches_transformers(compose, cache_dir):
 
 def test_default_experiment_end_to_end(compose, store_uri):
     """FP, QDQ and HTP (compiled for SM8650, run on the x86 emulator) phases of the default experiment."""
-    cfg = compose(["+experiment=16a4w_wikitext", "eval.limit=2", "calibration.limit=4", "eval.htp_tokens=64",
-                   "bench.warmup=0", "bench.repeats=1"])
+    # small lengths for CI: 64-token context, AR-16 prefill graph (still the hybrid build that used to fail)
+    cfg = compose(["+experiment=16a4w_wikitext", "eval.seq_len=64", "eval.limit=4", "calibration.limit=8",
+                   "backend.prefill_ar_len=16", "eval.htp_tokens=64", "bench.prompt_len=16", "bench.warmup=0",
+                   "bench.repeats=1"])
     result = run_experiment(cfg)
     m = result.metrics
-    assert 8 < m["ppl_fp"] < 60
+    assert 8 < m["ppl_fp"] < 100  # 64-token windows: less context than the 256-token default
     assert m["ppl_qdq"] > m["ppl_fp"] * 0.98  # 4-bit weights do not improve the model...
     assert m["ppl_qdq"] < m["ppl_fp"] * 5  # ...and do not destroy it
     assert 0.3 < m["top1_agreement_qdq_vs_fp"] <= 1.0
