@@ -143,3 +143,12 @@ def test_unreachable_server_fails_fast(compose):
     with pytest.raises(TrackingError, match="unreachable"):
         run_experiment(cfg)
     assert time.time() - start < 30  # no minutes of retries (a bound on a failure path, not a speed target)
+
+
+def test_window_longer_than_model_context(compose):
+    """The tiny model was built for 1024 positions: a 2048-token window is refused in one line."""
+    from qexp.errors import InputError
+
+    cfg = compose(TINY + ["eval.seq_len=2048", "export.max_context_len=2048", "calibration.seq_len=64"])
+    with pytest.raises(InputError, match="larger than the model's context"):
+        run_experiment(cfg)
