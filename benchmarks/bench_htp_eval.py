@@ -39,14 +39,12 @@ def main() -> None:
     from qexp.htp_runner import HtpRunner
     from qexp.load import load_model
     from qexp.lower import compile_pte
-    from qexp.pipeline import QDQ_CACHE_VERSION, environment_tags
+    from qexp.pipeline import library_versions, qdq_cache_key
     from qexp.quantize import quantize
     from qexp.static_model import StaticLlama
     from qexp.text import load_corpus
     from qexp.timing import StageTimer
     from qexp.track import resolve_uri
-    from qexp.cache import stable_hash
-    from omegaconf import OmegaConf
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+experiment=16a8w_wikitext", "backend=htp",
@@ -57,12 +55,8 @@ def main() -> None:
     context = cfg.export.max_context_len
     static = StaticLlama(model, context, r3=cfg.model.r3)
     calibration = build_calibration(cfg.calibration, corpus, model.tokenizer, model.add_bos, context)
-    versions = {k: v for k, v in environment_tags().items() if k.startswith("version.")}
-    key = stable_hash({"bench": "htp_eval", "v": QDQ_CACHE_VERSION, "model": model.fingerprint,
-                       "cfg": OmegaConf.to_container(cfg.quant, enum_to_str=True),
-                       "obs": OmegaConf.to_container(cfg.observer, enum_to_str=True),
-                       "cal": calibration.sha256, "ctx": context, "hadamard": cfg.model.recompose_hadamard,
-                       "versions": versions}, length=24)
+    versions = library_versions()
+    key = qdq_cache_key(cfg, model, static, calibration)  # the pipeline's key: reuses an experiment's cache entry
     qdq = quantize(static, cfg.quant, cfg.observer, calibration, cache, key, timer=timer,
                    recompose_hadamard=cfg.model.recompose_hadamard)
     program = compile_pte(model, cfg, qdq, static.r3, cache, timer, versions)

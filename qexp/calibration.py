@@ -19,7 +19,7 @@ import numpy as np
 
 from qexp.config import CalibrationConfig, CalibrationKind
 from qexp.errors import ConfigError, InputError
-from qexp.evaluate import Windows
+from qexp.evaluate import Windows, encode_prefix
 from qexp.text import TextCorpus
 from qexp.tokenizer import Tokenizer
 
@@ -83,12 +83,8 @@ def build_calibration(
 
 
 def _text_samples(text: str, tokenizer: Tokenizer, body: int, limit: int) -> List[List[int]]:
-    needed, ids, pos = body * limit, [], 0
-    while len(ids) < needed and pos < len(text):
-        end = text.find("\n\n", pos + 4 * needed)
-        end = len(text) if end < 0 else end
-        ids.extend(tokenizer.encode(text[pos:end]))
-        pos = end
+    needed = body * limit
+    ids = encode_prefix(text, tokenizer, needed, chunk_chars=4 * needed)
     if not ids:
         raise InputError("the calibration text is empty", "check the text source")
     return [ids[i : i + body] for i in range(0, min(len(ids), needed), body)]

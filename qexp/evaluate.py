@@ -66,6 +66,22 @@ class Windows:
         )
 
 
+def encode_prefix(text: str, tokenizer: Tokenizer, n_tokens: int, chunk_chars: Optional[int] = None) -> List[int]:
+    """Token ids of the start of `text`, at least `n_tokens` of them when the text has that many.
+
+    Tokenizes paragraph-aligned chunks (so no token straddles a cut) only until enough ids exist: a split of the
+    text is ~300k tokens, and windows or calibration samples need a few thousand.
+    """
+    ids: List[int] = []
+    pos, chunk = 0, chunk_chars or max(4 * n_tokens, 20000)
+    while len(ids) < n_tokens and pos < len(text):
+        end = text.find("\n\n", pos + chunk)
+        end = len(text) if end < 0 else end
+        ids.extend(tokenizer.encode(text[pos:end]))
+        pos = end
+    return ids
+
+
 def make_windows(text: str, tokenizer: Tokenizer, seq_len: int, limit: int, add_bos: bool) -> Windows:
     from lm_eval.api.task import PerplexityTask
 
@@ -76,15 +92,7 @@ def make_windows(text: str, tokenizer: Tokenizer, seq_len: int, limit: int, add_
     if add_bos and bos is None:
         raise InputError(f"model.add_bos=true but tokenizer {tokenizer.path} has no BOS token", "set model.add_bos=false")
     needed = body * limit
-    # Tokenize only as much text as the windows need (the test split is ~300k tokens).
-    ids: list[int] = []
-    pos, chunk = 0, max(4 * needed, 20000)
-    while len(ids) < needed and pos < len(text):
-        # cut at a paragraph boundary so no token straddles two chunks
-        end = text.find("\n\n", pos + chunk)
-        end = len(text) if end < 0 else end
-        ids.extend(tokenizer.encode(text[pos:end]))
-        pos = end
+    ids = encode_prefix(text, tokenizer, needed)
     if len(ids) < needed:
         raise InputError(
             f"the test text has {len(ids)} tokens, fewer than eval.limit x seq_len = {needed}",

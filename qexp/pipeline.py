@@ -5,6 +5,7 @@ Each stage lives in its own module; this file only orders them, times them and d
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import platform
@@ -74,13 +75,44 @@ def config_hash(cfg: DictConfig) -> str:
     return stable_hash(container, length=16)
 
 
-def environment_tags() -> Dict[str, str]:
+@functools.lru_cache(maxsize=1)
+def library_versions() -> Dict[str, str]:
+    """Versions that change results (part of cache keys and run tags)."""
+
     def version(package: str) -> str:
         try:
             return metadata.version(package)
         except metadata.PackageNotFoundError:
             return "absent"
 
+    qnn = version("onnxruntime-qnn")
+    return {
+        "version.torch": version("torch"),
+        "version.executorch": version("executorch"),
+        "version.torchao": version("torchao"),
+        "version.transformers": version("transformers"),
+        "version.lm_eval": version("lm_eval"),
+        "version.qnn_libs": f"onnxruntime-qnn {qnn}" if qnn != "absent" else "absent",
+    }
+
+
+def qdq_cache_key(cfg: DictConfig, model, static, calibration) -> str:
+    """Everything that determines a calibrated QDQ program."""
+    return stable_hash({
+        "version": QDQ_CACHE_VERSION,
+        "model": model.fingerprint,
+        "arch": cfg.model.arch,
+        "r3": static.r3,
+        "recompose_hadamard": cfg.model.recompose_hadamard,
+        "context": cfg.export.max_context_len,
+        "quant": OmegaConf.to_container(cfg.quant, resolve=True, enum_to_str=True),
+        "observer": OmegaConf.to_container(cfg.observer, resolve=True, enum_to_str=True),
+        "calibration": calibration.sha256,
+        "versions": library_versions(),
+    }, length=24)
+
+
+def environment_tags() -> Dict[str, str]:
     try:
         commit = subprocess.run(
             ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
@@ -91,15 +123,9 @@ def environment_tags() -> Dict[str, str]:
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "unknown", ""
-    qnn = version("onnxruntime-qnn")
     return {
         "git_commit": commit + ("-dirty" if dirty else ""),
-        "version.torch": version("torch"),
-        "version.executorch": version("executorch"),
-        "version.torchao": version("torchao"),
-        "version.transformers": version("transformers"),
-        "version.lm_eval": version("lm_eval"),
-        "version.qnn_libs": f"onnxruntime-qnn {qnn}" if qnn != "absent" else "absent",
+        **library_versions(),
         "host": socket.gethostname(),
         "cpu": _cpu_model(),
         "python": platform.python_version(),
@@ -216,18 +242,7 @@ def _run(cfg: DictConfig) -> ExperimentResult:
             check_disjoint(calibration, windows)
         tags["calibration_sha256"] = calibration.sha256
         metrics["calibration_tokens"] = calibration.n_tokens
-        key = stable_hash({
-            "version": QDQ_CACHE_VERSION,
-            "model": model.fingerprint,
-            "arch": cfg.model.arch,
-            "r3": static.r3,
-            "recompose_hadamard": cfg.model.recompose_hadamard,
-            "context": cfg.export.max_context_len,
-            "quant": OmegaConf.to_container(cfg.quant, resolve=True, enum_to_str=True),
-            "observer": OmegaConf.to_container(cfg.observer, resolve=True, enum_to_str=True),
-            "calibration": calibration.sha256,
-            "versions": {k: v for k, v in environment_tags().items() if k.startswith("version.")},
-        }, length=24)
+        key = qdq_cache_key(cfg, model, static, calibration)
         with timer.stage("quantize"):
             qdq_model = quantize(static, cfg.quant, cfg.observer, calibration, cache, key, timer=timer,
                                  recompose_hadamard=cfg.model.recompose_hadamard)
@@ -253,8 +268,9 @@ def _run(cfg: DictConfig) -> ExperimentResult:
     if cfg.backend.kind == BackendKind.htp:
         from qexp.deploy import run_htp_phase
 
-        versions = {k: v for k, v in environment_tags().items() if k.startswith("version.")}
-        htp_metrics, htp_tags = run_htp_phase(cfg, model, static, qdq_model, windows, fp, qdq, cache, timer, versions)
+        htp_metrics, htp_tags = run_htp_phase(
+            cfg, model, static, qdq_model, windows, fp, qdq, cache, timer, library_versions()
+        )
         metrics.update(htp_metrics)
         tags.update(htp_tags)
 

@@ -15,7 +15,7 @@ from qexp.calibration import build_calibration
 from qexp.evaluate import evaluate, make_windows
 from qexp.htp_runner import HtpRunner
 from qexp.lower import KV_GRAPH, PREFILL_GRAPH, compile_pte
-from qexp.pipeline import environment_tags
+from qexp.pipeline import library_versions
 from qexp.quantize import quantize
 from qexp.static_model import StaticLlama, window_logits
 from qexp.timing import StageTimer
@@ -29,8 +29,7 @@ def deployed(tiny_model, corpus, compose, cache_dir):
     static = StaticLlama(tiny_model, CONTEXT)
     calibration = build_calibration(cfg.calibration, corpus, tiny_model.tokenizer, True, CONTEXT)
     qdq = quantize(static, cfg.quant, cfg.observer, calibration, Cache(cache_dir), key="htp-tests")
-    versions = {k: v for k, v in environment_tags().items() if k.startswith("version.")}
-    program = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(cache_dir), StageTimer(), versions)
+    program = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(cache_dir), StageTimer(), library_versions())
     windows = make_windows(corpus.joined("test"), tiny_model.tokenizer, CONTEXT, 2, True)
     return cfg, static, qdq, program, HtpRunner(program), windows
 
@@ -89,8 +88,7 @@ def test_kv_updaters_give_the_same_logits(deployed):
 
 def test_compile_is_cached(deployed, tiny_model, cache_dir):
     cfg, static, qdq, program, _, _ = deployed
-    versions = {k: v for k, v in environment_tags().items() if k.startswith("version.")}
-    again = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(cache_dir), StageTimer(), versions)
+    again = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(cache_dir), StageTimer(), library_versions())
     assert again.cache_hit and again.pte_path == program.pte_path
 
 
