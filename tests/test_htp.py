@@ -5,14 +5,13 @@ Runs the real QNN libraries (onnxruntime-qnn's x86_64 HTP) on this host: compile
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from conftest import TINY
 from qexp.cache import Cache
 from qexp.calibration import build_calibration
-from qexp.evaluate import evaluate, make_windows
+from qexp.evaluate import make_windows
 from qexp.htp_runner import HtpRunner
 from qexp.lower import KV_GRAPH, PREFILL_GRAPH, compile_pte
 from qexp.pipeline import library_versions

@@ -60,8 +60,6 @@ def _write_meta_checkpoint(tiny_model, folder):
     """A Meta-style checkpoint of the tiny model: consolidated.00.pth + params.json + sentencepiece tokenizer.model."""
     import sentencepiece as spm
 
-    from qexp.text import gensim_excerpt_path  # noqa: F401 - the same text source family
-
     torch.save(tiny_model.state_dict, folder / "consolidated.00.pth")
     (folder / "params.json").write_text(json.dumps(tiny_model.params))
     sentences = folder / "sentences.txt"

@@ -3,7 +3,6 @@ run ends FAILED with its error; an unreachable server is one clear error before 
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
