@@ -15,26 +15,36 @@ from qexp.errors import QexpError
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     from qexp.pipeline import run_experiment
+    from qexp.sweep import current_job
 
+    job = current_job(cfg.tracking.sweep)
     try:
-        result = run_experiment(cfg)
-    except QexpError as exc:
-        # One readable line, no traceback: the error is the user's input or environment.
-        print(f"qexp: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        result = run_experiment(cfg, job)
     except KeyboardInterrupt:
         print("qexp: interrupted", file=sys.stderr)
         sys.exit(130)
-    except Exception as exc:  # noqa: BLE001 - a bug or an upstream failure: short line, details in MLflow
-        if os.environ.get("QEXP_TRACEBACK"):
-            raise
-        first_line = str(exc).splitlines()[0] if str(exc) else ""
-        print(
-            f"qexp: failed: {type(exc).__name__}: {first_line} (traceback: error.txt of the MLflow run, "
-            "or rerun with QEXP_TRACEBACK=1)",
-            file=sys.stderr,
-        )
-        sys.exit(1)
+    except Exception as exc:  # noqa: BLE001 - reported in one line; details in the MLflow run
+        if isinstance(exc, QexpError):
+            # One readable line, no traceback: the error is the user's input or environment.
+            message = f"qexp: error: {exc}"
+        else:  # a bug or an upstream failure
+            if os.environ.get("QEXP_TRACEBACK"):
+                raise
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            message = (f"qexp: failed: {type(exc).__name__}: {first_line} (traceback: error.txt of the MLflow run, "
+                       "or rerun with QEXP_TRACEBACK=1)")
+        if job is not None:
+            # In a sweep a failed job must not stop the others: record it and return; the sweep's summary
+            # reports it and sets the exit code.
+            job.record("failed", getattr(exc, "run_id", None), getattr(exc, "config_hash", None), str(exc)[:2000])
+            print(f"{message} [job {job.num}: {' '.join(job.overrides)}]", file=sys.stderr)
+            return None
+        print(message, file=sys.stderr)
+        sys.exit(2 if isinstance(exc, QexpError) else 1)
+    if result.skipped:
+        print(f"qexp: skipped: config hash {result.tags['config_hash']} already has FINISHED run {result.run_id} "
+              "(tracking.force=true reruns it)")
+        return None
     summary = "  ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()) if k.startswith(("ppl", "word_ppl")))
     print(f"qexp: run {result.run_id} finished: {summary}")
     return result.metrics.get("ppl_qdq", result.metrics.get("ppl_fp"))

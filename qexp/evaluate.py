@@ -179,6 +179,21 @@ def evaluate(
     return result
 
 
+def cached_evaluation(cache, key: str, windows: Windows, run: Callable[[], EvalResult]) -> tuple[EvalResult, bool]:
+    """`run()` once per key (e.g. the FP phase of one model on one set of windows), shared by every run and sweep
+    job that asks for it. Stored losslessly (float64 log-likelihoods, float32 logits), so hit and miss agree."""
+    def build(tmp):
+        result = run()
+        torch.save({"logprobs": torch.from_numpy(result.logprobs), "top1": torch.from_numpy(result.top1),
+                    "logits": result.logits}, tmp / "eval.pt")
+        return {"windows_sha256": windows.sha256}
+
+    path, hit = cache.get_or_build("eval", key, build)
+    stored = torch.load(path / "eval.pt", weights_only=True)
+    return EvalResult(logprobs=stored["logprobs"].numpy(), windows=windows, top1=stored["top1"].numpy(),
+                      logits=list(stored["logits"])), hit
+
+
 def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio of `test` against `reference`, in dB."""
     noise = (reference.double() - test.double()).pow(2).mean().item()

@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional
 
 import numpy as np
 import pandas as pd
@@ -26,6 +26,9 @@ from qexp.config import NO_QUANT, BackendKind
 from qexp.errors import ConfigError, InputError
 from qexp.timing import StageTimer, peak_rss_mb
 from qexp.track import REPO_ROOT, Tracker, flatten
+
+if TYPE_CHECKING:
+    from qexp.sweep import SweepJob
 
 log = logging.getLogger("qexp")
 
@@ -39,6 +42,7 @@ class ExperimentResult:
     run_id: Optional[str]
     metrics: Dict[str, float] = field(default_factory=dict)
     tags: Dict[str, str] = field(default_factory=dict)
+    skipped: bool = False  # a sweep job whose config already had a FINISHED run
 
 
 # ---------------------------------------------------------------- checks before a run starts
@@ -143,27 +147,43 @@ def _cpu_model() -> str:
 
 
 # ---------------------------------------------------------------- the run
-def run_experiment(cfg: DictConfig) -> ExperimentResult:
-    validate(cfg)
+def run_experiment(cfg: DictConfig, job: Optional["SweepJob"] = None) -> ExperimentResult:
+    """Run one experiment as one MLflow run. As a sweep job (`job`), skip a config that already has a FINISHED
+    run in the experiment (unless tracking.force) and record what became of the job for the sweep's summary."""
     tracker = Tracker(cfg.tracking)
+    chash = config_hash(cfg)
+    if job is not None and not cfg.tracking.force:
+        previous = tracker.finished_run(chash)
+        if previous is not None:
+            log.info("config hash %s already has FINISHED run %s: skipped", chash, previous.info.run_id)
+            job.record("skipped", previous.info.run_id, chash)
+            return ExperimentResult(previous.info.run_id, dict(previous.data.metrics), {"config_hash": chash},
+                                    skipped=True)
     log_buffer = _attach_log_capture()
-    tags = {"config_hash": config_hash(cfg), **environment_tags(), "phases": _phases(cfg)}
-    tracker.start(cfg.tracking.run_name or _default_run_name(cfg), tags)
+    tags = {"config_hash": chash, **environment_tags(), "phases": _phases(cfg), **(job.tags() if job else {})}
+    run_id = tracker.start(cfg.tracking.run_name or _default_run_name(cfg), tags)
     try:
         Tracker.params(flatten(cfg))
         Tracker.text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+        validate(cfg)  # inside the run: a bad config leaves a FAILED run that says why
         result = _run(cfg)
         Tracker.tags(result.tags)
         Tracker.metrics(result.metrics)
-        result.run_id = tracker.run.info.run_id
+        result.run_id = run_id
         Tracker.text(log_buffer.getvalue(), "run.log")
         tracker.finish()
+        if job is not None:
+            job.record("finished", run_id, chash)
         return result
     except BaseException as exc:
         try:
             Tracker.text(log_buffer.getvalue(), "run.log")
         finally:
             tracker.fail(exc)
+        try:  # so the caller (a sweep job) can say which run failed
+            exc.run_id, exc.config_hash = run_id, chash
+        except AttributeError:
+            pass
         raise
     finally:
         _detach_log_capture(log_buffer)
@@ -182,9 +202,9 @@ def _default_run_name(cfg: DictConfig) -> str:
 
 def _run(cfg: DictConfig) -> ExperimentResult:
     from qexp.calibration import build_calibration, check_disjoint
-    from qexp.evaluate import evaluate, make_windows, sqnr_db
+    from qexp.evaluate import cached_evaluation, evaluate, make_windows, sqnr_db
     from qexp.load import load_model
-    from qexp.quantize import encodings_table, quantize, summarize_encodings
+    from qexp.quantize import encodings_table, quantize, summarize_encodings, weights_megabytes
     from qexp.static_model import StaticLlama, window_logits
     from qexp.text import load_corpus
 
@@ -203,6 +223,7 @@ def _run(cfg: DictConfig) -> ExperimentResult:
         static = StaticLlama(model, cfg.export.max_context_len, r3=cfg.model.r3)
     tags.update({"model_sha256": model.fingerprint, "model_source": model.source_path, "r3": str(static.r3)})
     metrics["model_params"] = model.n_params
+    metrics["weights_mb"] = weights_megabytes(static.module)  # fp32; the QDQ phase replaces it
 
     with timer.stage("text"):
         corpus = load_corpus(cfg.text, cache)
@@ -225,9 +246,14 @@ def _run(cfg: DictConfig) -> ExperimentResult:
     _log_array(windows.ids, "eval/windows.npy")
 
     with timer.stage("eval_fp"):
-        fp = evaluate(
+        # Shared by every run of this model on these windows (a sweep evaluates FP once).
+        fp_key = stable_hash({"model": model.fingerprint, "arch": cfg.model.arch, "r3": static.r3,
+                              "context": cfg.export.max_context_len, "windows": windows.sha256,
+                              "keep_logits": SQNR_WINDOWS, "versions": library_versions()}, length=24)
+        fp, fp_hit = cached_evaluation(cache, fp_key, windows, lambda: evaluate(
             lambda ids: window_logits(static.module, static, ids), windows, "FP", keep_logits=SQNR_WINDOWS
-        )
+        ))
+    tags["fp_eval_cache_hit"] = str(fp_hit).lower()
     metrics.update({f"{name}_fp": value for name, value in fp.metrics().items()})
     log.info("FP:  ppl %.3f  word_ppl %.3f  bits/byte %.4f", metrics["ppl_fp"], metrics["word_ppl_fp"],
              metrics["bits_per_byte_fp"])
@@ -262,6 +288,7 @@ def _run(cfg: DictConfig) -> ExperimentResult:
         per_window["ll_qdq"] = qdq.logprobs.sum(axis=1)
 
         table = encodings_table(qdq_model.module)
+        metrics["weights_mb"] = weights_megabytes(static.module, table)
         Tracker.text(table.to_csv(index=False), "quant/encodings.csv")
         Tracker.text(summarize_encodings(table), "quant/summary.txt")
 

@@ -296,6 +296,7 @@ def encodings_table(module: torch.fx.GraphModule) -> pd.DataFrame:
             "weight": is_weight,
             "granularity": kind,
             "bits": _bits(qmin, qmax),
+            "numel": _value(module, producer).numel() if is_weight else 0,
             "n_scales": scales.numel(),
             "scale_min": scales.min().item(),
             "scale_max": scales.max().item(),
@@ -303,6 +304,17 @@ def encodings_table(module: torch.fx.GraphModule) -> pd.DataFrame:
             "range_max": ((qmax - zero_points) * scales).max().item(),
         })
     return pd.DataFrame(rows)
+
+
+def weights_megabytes(float_module: torch.nn.Module, table: pd.DataFrame | None = None) -> float:
+    """Weight storage in MB: quantized weights at their bit width (per the encodings table), the rest at fp32.
+    Scales and zero points are left out (under 1% at these granularities)."""
+    total = sum(p.numel() for p in float_module.parameters())
+    if table is None or table.empty:
+        return total * 4 / 1e6
+    weights = table[table["weight"]]
+    quantized = int(weights["numel"].sum())
+    return (float((weights["numel"] * weights["bits"]).sum()) / 8 + (total - quantized) * 4) / 1e6
 
 
 def _value(module: torch.nn.Module, arg):

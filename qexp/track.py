@@ -87,6 +87,15 @@ class Tracker:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 
+    def finished_run(self, config_hash: str) -> Optional[mlflow.entities.Run]:
+        """The latest FINISHED run of this config in the experiment (to skip it on a sweep's resume)."""
+        experiment_id = self.connect()
+        runs = mlflow.tracking.MlflowClient(self.uri).search_runs(
+            [experiment_id], filter_string=f"tags.config_hash = '{config_hash}' and attributes.status = 'FINISHED'",
+            order_by=["attributes.start_time DESC"], max_results=1,
+        )
+        return runs[0] if runs else None
+
     # ---- run lifecycle
     def start(self, run_name: Optional[str], tags: Dict[str, str]) -> str:
         experiment_id = self.connect()
