@@ -38,6 +38,7 @@ def _parent(runs, sweep_dir):
 def sweeps(cache_dir, store_uri, tmp_path_factory):
     """Three invocations of one sweep: the first run, a re-run with a poisoned job, a widened re-run."""
     base = tmp_path_factory.mktemp("sweeps")
+    cache_dir = tmp_path_factory.mktemp("sweep-cache")  # empty: the first job computes what the second reuses
     dirs = {name: base / name for name in ("first", "poisoned", "widened")}
     outs = {
         "first": _multirun(["quant=fp32,16a4w"], cache_dir, store_uri, dirs["first"]),
