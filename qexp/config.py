@@ -44,6 +44,7 @@ class CalibrationKind(enum.Enum):
 class BackendKind(enum.Enum):
     none = "none"
     htp = "htp"
+    xnnpack = "xnnpack"
 
 
 class Soc(enum.Enum):
@@ -63,6 +64,7 @@ class ModelMode(enum.Enum):
 class Target(enum.Enum):
     x86_emulator = "x86_emulator"  # HTP emulated on this host by the x86_64 QNN libraries: timings are NOT phone timings
     android = "android"  # a phone over adb with a user-built qnn_llama_runner
+    cpu = "cpu"  # this machine's CPU (XNNPACK): real speed
 
 
 class KvUpdate(enum.Enum):
@@ -198,6 +200,16 @@ class BackendConfig:
     ngram: int = 3  # lookahead
     window: int = 2
     gcap: int = 2
+    # XNNPACK (CPU): ExecuTorch's LLM export quantization, one of XNNPACK_QMODES
+    qmode: str = "8da4w"
+    group_size: int = 32  # 8da4w / 4w weight groups (SmolLM2's dims are multiples of 32 and 64, not 128)
+    embedding_quantize: Optional[str] = None  # "<bits>,<group>", e.g. "8,0" (per row) or "4,32"
+    threads: int = 2
+
+
+# ExecuTorch LLM export qmodes: dynamic 8-bit activations with 4/8-bit weights, weight-only 8 ("int8") and 4 ("4w").
+XNNPACK_QMODES = ("fp32", "8da4w", "8da8w", "int8", "4w")
+XNNPACK_GROUPED = ("8da4w", "4w")  # group-wise weights; 8da8w and int8 are per channel
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import List, Sequence
 import torch
 
 from qexp.lower import KV_GRAPH, PREFILL_GRAPH, DeployedProgram
+from qexp.speed import Generation, measure
 
 log = logging.getLogger("qexp")
 
@@ -192,16 +193,6 @@ class HtpRunner:
         return torch.cat(rows), cache.stats
 
 
-@dataclass
-class Generation:
-    tokens: List[int]
-    ttft_s: float  # prompt in -> first new token out
-    prefill_s: float
-    decode_s: float  # the remaining n_new - 1 tokens
-    n_prompt: int
-    update: UpdateStats
-
-
 def _generate(runner: "HtpRunner", prompt: Sequence[int], n_new: int, updater: str) -> Generation:
     graphs = runner.meta["graphs"]
     decode_cache = runner.new_cache(KV_GRAPH, updater)
@@ -230,27 +221,11 @@ def _generate(runner: "HtpRunner", prompt: Sequence[int], n_new: int, updater: s
         tokens.append(token)
     end = time.perf_counter()
     return Generation(tokens, prefill_end - start, prefill_end - start, end - prefill_end, len(prompt),
-                      decode_cache.stats)
+                      {f"kv_{k}": v for k, v in decode_cache.stats.per_token().items()})
 
 
 def measure_speed(runner: "HtpRunner", prompt: Sequence[int], n_new: int, updater: str, warmup: int, repeats: int):
-    """TTFT, prefill and decode tokens/s over `repeats` runs after `warmup` runs: median and p90, plus the KV update
-    cost per decoded token. Returns (metrics, tokens of the last run)."""
-    import numpy as np
-
-    for _ in range(warmup):
-        _generate(runner, prompt, n_new, updater)
-    runs = [_generate(runner, prompt, n_new, updater) for _ in range(max(repeats, 1))]
-    ttft = np.array([r.ttft_s for r in runs]) * 1000
-    prefill = np.array([r.n_prompt / r.prefill_s for r in runs])
-    decode = np.array([(n_new - 1) / r.decode_s for r in runs]) if n_new > 1 else np.array([float("nan")])
-    metrics = {
-        "ttft_ms": float(np.median(ttft)),
-        "ttft_ms_p90": float(np.percentile(ttft, 90)),
-        "prefill_tok_s": float(np.median(prefill)),
-        "prefill_tok_s_p10": float(np.percentile(prefill, 10)),  # the slow tail of a rate
-        "decode_tok_s": float(np.median(decode)),
-        "decode_tok_s_p10": float(np.percentile(decode, 10)),
-        **{f"kv_{k}": v for k, v in runs[-1].update.per_token().items()},
-    }
-    return metrics, runs[-1].tokens
+    """TTFT, prefill and decode tokens/s (qexp.speed), plus the KV update cost per decoded token.
+    Returns (metrics, tokens of the last run)."""
+    metrics, last = measure(lambda: _generate(runner, prompt, n_new, updater), warmup, max(repeats, 1))
+    return metrics, last.tokens

@@ -69,6 +69,10 @@ def validate(cfg: DictConfig) -> None:
         from qexp.deploy import validate_htp
 
         validate_htp(cfg)
+    if cfg.backend.kind == BackendKind.xnnpack:
+        from qexp.xnnpack import validate_xnnpack
+
+        validate_xnnpack(cfg)
 
 
 def config_hash(cfg: DictConfig) -> str:
@@ -300,6 +304,13 @@ def _run(cfg: DictConfig) -> ExperimentResult:
         )
         metrics.update(htp_metrics)
         tags.update(htp_tags)
+
+    if cfg.backend.kind == BackendKind.xnnpack:
+        from qexp.xnnpack import run_xnnpack_phase
+
+        cpu_metrics, cpu_tags = run_xnnpack_phase(cfg, model, windows, fp, cache, timer, library_versions())
+        metrics.update(cpu_metrics)
+        tags.update(cpu_tags)
 
     Tracker.text(pd.DataFrame(per_window).to_csv(index=False), "eval/per_window.csv")
     metrics.update(timer.metrics())
