@@ -215,18 +215,25 @@ def quantize(
             with timer.stage("convert"):
                 converted = convert_pt2e(prepared)
             with timer.stage("save_qdq"):
-                torch.export.save(torch.export.export(converted, example, strict=False), str(tmp / QDQ_PROGRAM))
+                program = torch.export.export(converted, example, strict=False)
+                torch.export.save(program, str(tmp / QDQ_PROGRAM))
+        built["module"] = program.module()
         return {"samples": len(calibration.samples), "tokens": calibration.n_tokens}
 
+    built: dict = {}
     path, hit = cache.get_or_build("qdq", key, build)
     log.info("QDQ program %s (%s)", path, "cache hit" if hit else "built")
-    # Always evaluate the program as cached, also right after building it: the re-exported program can differ from
-    # the in-memory one in the last digits (measured on SmolLM2 16a4w: ppl 47.291 vs 47.252), and a config must
-    # give the same numbers cold and warm.
+    # Always evaluate the program as cached (the re-exported one), also right after building it: the converted module
+    # it came from can differ in the last digits (seen once on SmolLM2 16a4w: ppl 47.291 vs 47.252), and a config must
+    # give the same numbers cold and warm. The re-exported module and its reload are bit-identical (checked on
+    # SmolLM2), so a fresh build skips the reload.
     import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401 - registers the ops a saved QDQ program uses
 
-    with timer.stage("load_qdq"):
-        module = torch.export.load(str(path / QDQ_PROGRAM)).module()
+    if "module" in built:
+        module = built["module"]
+    else:
+        with timer.stage("load_qdq"):
+            module = torch.export.load(str(path / QDQ_PROGRAM)).module()
     return QuantizedModel(module, path / QDQ_PROGRAM, key, hit)
 
 

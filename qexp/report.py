@@ -29,7 +29,7 @@ RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 # column name -> (MLflow column, header); the default table, in the seeds' order
 COLUMNS: Dict[str, tuple[str, str]] = {
     "model": ("params.model.name", "model"),
-    "scheme": ("params.quant.name", "scheme"),
+    "scheme": ("scheme", "scheme"),
     "observer": ("params.observer.name", "observer"),
     "calibration": ("calibration", "calibration"),
     "kv_mode": ("kv_mode", "KV mode"),
@@ -37,6 +37,7 @@ COLUMNS: Dict[str, tuple[str, str]] = {
     "ppl_fp": ("metrics.ppl_fp", "PPL FP"),
     "ppl_qdq": ("metrics.ppl_qdq", "PPL QDQ"),
     "ppl_htp": ("metrics.ppl_htp", "PPL HTP"),
+    "ppl_xnnpack": ("metrics.ppl_deployed", "PPL XNNPACK"),
     "delta_vs_fp": ("delta_vs_fp", "Δ vs FP"),
     "ttft_ms": ("metrics.ttft_ms", "TTFT ms"),
     "decode_tok_s": ("metrics.decode_tok_s", "decode tok/s"),
@@ -113,12 +114,15 @@ def _derived(runs: pd.DataFrame) -> pd.DataFrame:
         .astype(str) + "x" + _column(runs, "params.calibration.seq_len").astype(str),
     )
     runs["kv_mode"] = np.where(backend == "none", "-", _column(runs, "params.kv.name"))
-    fp32 = _column(runs, "params.quant.scheme").fillna("fp32") == "fp32"
+    fp32 = (_column(runs, "params.quant.scheme").fillna("fp32") == "fp32") & (backend != "xnnpack")
     runs["params.observer.name"] = np.where(fp32, "-", _column(runs, "params.observer.name"))
     target = _column(runs, "tags.target")
-    runs["target"] = target.where(target.notna(), "cpu (PyTorch)")
+    runs["target"] = target.where(target.notna(), "pytorch")
     runs["pte_mb"] = num("metrics.pte_bytes") / 1e6
-    runs["delta_vs_fp"] = num("metrics.ppl_qdq_vs_fp")
+    xnnpack = (backend == "xnnpack").to_numpy()
+    # XNNPACK runs quantize with backend.qmode (their QNN quant group is fp32)
+    runs["scheme"] = np.where(xnnpack, _column(runs, "params.backend.qmode"), _column(runs, "params.quant.name"))
+    runs["delta_vs_fp"] = np.where(xnnpack, num("metrics.ppl_deployed_vs_fp"), num("metrics.ppl_qdq_vs_fp"))
     return runs
 
 
@@ -183,12 +187,15 @@ def build_report(runs: pd.DataFrame, columns: Optional[Sequence[str]] = None, al
         notes.append(f"PPL HTP is measured on the first {'/'.join(map(str, tokens))} predicted tokens of those "
                      "windows (see ppl_qdq_sub / ppl_htp_vs_qdq in the CSV for QDQ on the same subset).")
     if "delta_vs_fp" in chosen:
-        notes.append("Δ vs FP: PPL QDQ / PPL FP - 1, same windows.")
+        notes.append("Δ vs FP: PPL QDQ / PPL FP - 1 (XNNPACK rows: PPL XNNPACK / PPL FP - 1), same windows.")
+    if (runs["target"] == "cpu").any():
+        notes.append("target=cpu: ExecuTorch XNNPACK .pte on this machine's CPU (real speed; scheme = backend.qmode, "
+                     "PPL XNNPACK from running the .pte on the same windows as PPL FP).")
     if runs["target"].isin(EMULATED).any():
         notes.append("target=x86_emulator: HTP graphs run on the QNN HTP emulator on this x86 host; its TTFT and "
                      "tok/s are emulator timings, not phone speed.")
-    if "cpu (PyTorch)" in set(runs["target"]):
-        notes.append("target `cpu (PyTorch)`: no deployment backend; PPL QDQ is the fake-quantized program in PyTorch.")
+    if "pytorch" in set(runs["target"]):
+        notes.append("target=pytorch: no deployment backend; PPL FP and PPL QDQ (the fake-quantized program) run in PyTorch.")
     pivot_table = None
     if pivot:
         if len(pivot) != 3:
@@ -215,8 +222,12 @@ def pareto_front(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _deployed_ppl(data: pd.DataFrame) -> pd.Series:
-    ppl = data["ppl_qdq"] if "ppl_qdq" in data else pd.Series(np.nan, index=data.index)
-    return ppl.fillna(data["ppl_fp"]) if "ppl_fp" in data else ppl
+    """The quantized model's perplexity on the full windows: QDQ, else the XNNPACK .pte's, else FP (fp32 rows)."""
+    ppl = pd.Series(np.nan, index=data.index)
+    for column in ("ppl_qdq", "ppl_xnnpack", "ppl_fp"):
+        if column in data:
+            ppl = ppl.fillna(data[column])
+    return ppl
 
 
 def plot(report: Report, out_prefix: Path) -> List[Path]:
@@ -238,7 +249,7 @@ def plot(report: Report, out_prefix: Path) -> List[Path]:
         for x, y, label in zip(size, ppl, labels):
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax.set_xlabel(size_label)
-        ax.set_ylabel("perplexity (QDQ; FP for fp32)")
+        ax.set_ylabel("perplexity (QDQ / XNNPACK .pte; FP for fp32)")
         ax.set_title("Perplexity vs size")
         ax.grid(alpha=0.3)
         fig.tight_layout()
@@ -257,7 +268,7 @@ def plot(report: Report, out_prefix: Path) -> List[Path]:
         front = pareto_front(speed, quality)
         ax.plot(speed[front], quality[front], "r--", label="Pareto front")
         ax.set_xlabel(f"decode tok/s (target={', '.join(targets)})")
-        ax.set_ylabel("perplexity (QDQ)")
+        ax.set_ylabel("perplexity (QDQ / XNNPACK .pte)")
         title = "Perplexity vs decode speed"
         if set(targets) & EMULATED:
             title += "\n(x86 HTP emulator timings, not phone speed)"

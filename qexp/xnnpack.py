@@ -1,7 +1,7 @@
 """XNNPACK backend (CPU): the model through ExecuTorch's LLM export path, run as a .pte on this CPU.
 
 Export is upstream's `export_llama` flow (`_export_llama(LlmConfig)`): the ExecuTorch llama transformer with a KV
-cache and the custom SDPA op, source-transform quantization (`qmode`: 8da4w / 8da8w / int8 / 4w, group size,
+cache and the custom SDPA op, source-transform quantization (`qmode`: 8da4w / 8da8w, group size,
 optional embedding quantization) and XNNPACK delegation. qexp only writes the Meta checkpoint it reads and caches the
 .pte content-addressed. One program per config, the one a runner deploys (last position's logits): perplexity steps
 it one token per call through its KV cache, exactly as generation does; exporting a second, full-logits program
@@ -20,7 +20,7 @@ from typing import Dict, Sequence
 import torch
 
 from qexp.cache import Cache, stable_hash
-from qexp.config import XNNPACK_GROUPED, XNNPACK_QMODES
+from qexp.config import XNNPACK_BROKEN_QMODES, XNNPACK_GROUPED, XNNPACK_QMODES
 from qexp.errors import ConfigError
 from qexp.load import LoadedModel
 from qexp.speed import Generation
@@ -48,8 +48,11 @@ def validate_xnnpack(cfg) -> None:
     if cfg.quant.scheme != "fp32":
         raise ConfigError(
             f"quant={cfg.quant.name} is a QNN (HTP) scheme; backend=xnnpack quantizes with backend.qmode",
-            "use quant=fp32 with backend=xnnpack backend.qmode=8da4w (or fp32, 8da8w, int8, 4w)",
+            f"use quant=fp32 with backend=xnnpack backend.qmode=8da4w (or {', '.join(XNNPACK_QMODES)})",
         )
+    if backend.qmode in XNNPACK_BROKEN_QMODES:
+        raise ConfigError(f"backend.qmode={backend.qmode}: {XNNPACK_BROKEN_QMODES[backend.qmode]}",
+                          f"use one of: {', '.join(XNNPACK_QMODES)}")
     if backend.qmode not in XNNPACK_QMODES:
         raise ConfigError(f"unknown backend.qmode {backend.qmode!r}", f"choose one of: {', '.join(XNNPACK_QMODES)}")
     if backend.qmode in XNNPACK_GROUPED and backend.group_size <= 0:
