@@ -113,7 +113,7 @@ def _derived(runs: pd.DataFrame) -> pd.DataFrame:
         _column(runs, "params.calibration.name").astype(str) + " " + _column(runs, "params.calibration.limit")
         .astype(str) + "x" + _column(runs, "params.calibration.seq_len").astype(str),
     )
-    runs["kv_mode"] = np.where(backend == "none", "-", _column(runs, "params.kv.name"))
+    runs["kv_mode"] = np.where(backend == "htp", _column(runs, "params.kv.name"), "-")  # an HTP runner setting
     fp32 = (_column(runs, "params.quant.scheme").fillna("fp32") == "fp32") & (backend != "xnnpack")
     runs["params.observer.name"] = np.where(fp32, "-", _column(runs, "params.observer.name"))
     target = _column(runs, "tags.target")

@@ -207,3 +207,31 @@ def test_notebook_executes(sweeps, store_uri):
     assert "3 runs of experiment 'sweeptest'" in text and "16a4w" in text and "PPL QDQ" in text
     assert any("image/png" in o.get("data", {}) for o in outputs)
     assert not any(o.get("output_type") == "error" for o in outputs)
+
+
+def test_report_puts_cpu_and_emulator_rows_side_by_side():
+    """Rows of different targets in one table: the target column and the notes say which is which."""
+    from qexp.report import build_report, formatted
+
+    common = {"params.model.name": "smollm2_135m", "tags.text_sha256": "abc", "params.eval.window_len": "256",
+              "params.eval.n_windows": "8", "params.eval.text_source": "gensim", "metrics.ppl_fp": 24.9,
+              "params.observer.name": "minmax", "params.calibration.name": "wikitext",
+              "params.calibration.limit": "8", "params.calibration.seq_len": "256", "params.kv.name": "smart_mask"}
+    runs = pd.DataFrame([
+        {**common, "run_id": "a", "tags.config_hash": "1", "params.backend.kind": "htp", "params.quant.name": "16a8w",
+         "params.quant.scheme": "16a8w", "tags.target": "x86_emulator", "metrics.ppl_qdq": 25.5,
+         "metrics.ppl_qdq_vs_fp": 0.024, "metrics.ppl_htp": 23.1, "metrics.htp_eval_tokens": 255,
+         "metrics.decode_tok_s": 0.2, "metrics.ttft_ms": 6000.0, "metrics.pte_bytes": 393e6,
+         "metrics.weights_mb": 150.0},
+        {**common, "run_id": "b", "tags.config_hash": "2", "params.backend.kind": "xnnpack", "params.quant.name": "fp32",
+         "params.quant.scheme": "fp32", "params.backend.qmode": "8da4w", "tags.target": "cpu",
+         "metrics.ppl_deployed": 27.0, "metrics.ppl_deployed_vs_fp": 0.084, "metrics.decode_tok_s": 60.0,
+         "metrics.ttft_ms": 40.0, "metrics.pte_bytes": 120e6, "metrics.weights_mb": 540.0},
+    ])
+    report = build_report(runs)
+    table = formatted(report.table)
+    assert list(table["target"]) == ["cpu", "x86_emulator"] and list(table["scheme"]) == ["8da4w", "16a8w"]
+    assert list(table["KV mode"]) == ["-", "smart_mask"]
+    assert list(table["Δ vs FP"]) == ["+8.4%", "+2.4%"] and list(table["PPL XNNPACK"]) == ["27.00", "-"]
+    assert any("not phone speed" in n for n in report.notes) and any("target=cpu" in n for n in report.notes)
+    assert any("first 255 predicted tokens" in n for n in report.notes)
