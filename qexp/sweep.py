@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shlex
 import sys
 import time
@@ -26,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 log = logging.getLogger("qexp")
 
 SWEEP_FILE = "qexp_sweep.json"
+SWEEP_FILE_ENV = "QEXP_SWEEP_FILE"
 JOB_FILE = "qexp_job.json"
 PARENT_TAG = "mlflow.parentRunId"
 SWEEP_TAG = "qexp.sweep"  # on the parent and on every child: the sweep's name
@@ -77,7 +79,9 @@ def current_job(sweep_name: Optional[str] = None) -> Optional[SweepJob]:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return None
-    sweep_file = Path(hydra_cfg.sweep.dir).resolve() / SWEEP_FILE
+    # The launcher's environment points at the sweep file (absolute), whatever directory a launcher starts jobs in;
+    # the sweep dir is the fallback for launchers that do not pass the environment on.
+    sweep_file = Path(os.environ.get(SWEEP_FILE_ENV) or Path(hydra_cfg.sweep.dir).resolve() / SWEEP_FILE)
     info = json.loads(sweep_file.read_text()) if sweep_file.exists() else {}
     return SweepJob(
         name=info.get("name") or sweep_name or "multirun",
@@ -128,6 +132,7 @@ class SweepCallback(Callback):
             "command": command, "overrides": overrides, "sweeper_params": sweep_params,
             "launcher": OmegaConf.to_container(config.hydra.launcher, resolve=False),
         }), "sweep.yaml")
+        os.environ[SWEEP_FILE_ENV] = str(sweep_dir / SWEEP_FILE)  # inherited by joblib / submitit job processes
         (sweep_dir / SWEEP_FILE).write_text(json.dumps({
             "name": name, "parent_run_id": run.info.run_id, "tracking_uri": tracker.uri,
             "experiment_id": experiment_id, "command": command,
@@ -139,6 +144,7 @@ class SweepCallback(Callback):
         from mlflow.tracking import MlflowClient
 
         sweep_dir = Path(config.hydra.sweep.dir).resolve()
+        os.environ.pop(SWEEP_FILE_ENV, None)
         info = json.loads((sweep_dir / SWEEP_FILE).read_text())
         jobs = read_job_records(sweep_dir)
         counts = {status: int((jobs["status"] == status).sum()) for status in ("finished", "failed", "skipped")}
