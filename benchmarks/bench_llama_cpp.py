@@ -7,7 +7,9 @@
 Speed rounds alternate (qexp, llama.cpp, qexp, ...) so both see the same machine state; each round is one greedy
 generation of --prompt-len + --new-tokens, timed with perf_counter around each engine's own calls (prefill: the
 whole prompt in one call; decode: one call per token). Perplexity: both engines score the same token windows
-(qexp's eval windows of the default text), lm-eval's token perplexity. Prints and logs (MLflow `benchmarks`) the
+(qexp's eval windows of the default text), lm-eval's token perplexity, next to the fp32 reference (the GGUF
+dequantized, which is what qexp quantizes from: the shipped GGUF *is* Q4_1, so llama.cpp at q4_1 runs the
+reference's own grid while qexp's 8da4w re-quantizes it). Prints and logs (MLflow `benchmarks`) the
 ratios qexp / llama.cpp: decode and prefill tok/s (goal: decode >= 1.0) and perplexity.
 """
 
@@ -55,16 +57,21 @@ class LlamaCpp:
         self.llm.eval([int(t) for t in ids])
         return torch.from_numpy(np.array(self.llm.scores[: len(ids)], dtype=np.float32))
 
+    def _last_argmax(self) -> int:
+        # `Llama.eval_logits` converts every stored row to Python lists on each access (seconds per token at
+        # this vocab size); the scores array's last filled row is the same numbers.
+        return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+
     def generate(self, prompt, n_new: int) -> Generation:
         self.llm.reset()
         start = time.perf_counter()
         self.llm.eval([int(t) for t in prompt])
-        token = int(np.argmax(self.llm.eval_logits[-1]))
+        token = self._last_argmax()
         prefill_end = time.perf_counter()
         tokens = [token]
         for _ in range(n_new - 1):
             self.llm.eval([token])
-            token = int(np.argmax(self.llm.eval_logits[-1]))
+            token = self._last_argmax()
             tokens.append(token)
         end = time.perf_counter()
         return Generation(tokens, prefill_end - start, prefill_end - start, end - prefill_end, len(prompt))
@@ -129,6 +136,11 @@ def main() -> None:
         peer_eval = LlamaCpp(gguf, args.threads, windows.seq_len, logits_all=True)
 
         print("[bench] perplexity on the same windows", flush=True)
+        from qexp.static_model import StaticLlama, window_logits
+
+        static = StaticLlama(model, windows.seq_len)  # the fp32 reference (the dequantized GGUF) on the same windows
+        ppl_fp = evaluate(lambda ids: window_logits(static.module, static, ids), windows, "FP").metrics()["ppl"]
+        del static
         ppl_qexp = evaluate(qexp_runner.window_logits, windows, "qexp").metrics()["ppl"]
         ppl_peer = evaluate(peer_eval.window_logits, windows, "llama.cpp").metrics()["ppl"]
 
@@ -150,6 +162,7 @@ def main() -> None:
         for name, s in stats.items()
     })
     table.loc["perplexity"] = [ppl_qexp, ppl_peer]
+    table.loc["perplexity fp32 reference"] = [ppl_fp, ppl_fp]
     table.loc["model MB"] = [program.pte_bytes / 1e6, gguf_bytes / 1e6]
     ratios = {
         "decode_ratio": stats["qexp"]["decode_tok_s"] / stats["llama.cpp"]["decode_tok_s"],
@@ -173,7 +186,7 @@ def main() -> None:
         mlflow.log_params({"threads": args.threads, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                            "rounds": args.rounds, "eval.n_windows": windows.n_windows,
                            "eval.window_len": windows.seq_len})
-        mlflow.log_metrics({**ratios, "ppl_qexp": ppl_qexp, "ppl_llama_cpp": ppl_peer,
+        mlflow.log_metrics({**ratios, "ppl_qexp": ppl_qexp, "ppl_llama_cpp": ppl_peer, "ppl_fp32_reference": ppl_fp,
                             **{f"qexp_{k}": v for k, v in stats["qexp"].items()},
                             **{f"llama_cpp_{k}": v for k, v in stats["llama.cpp"].items()}})
         mlflow.log_text(table.round(3).to_csv(), "comparison.csv")
