@@ -114,7 +114,8 @@ def _derived(runs: pd.DataFrame) -> pd.DataFrame:
         .astype(str) + "x" + _column(runs, "params.calibration.seq_len").astype(str),
     )
     runs["kv_mode"] = np.where(backend == "htp", _column(runs, "params.kv.name"), "-")  # an HTP runner setting
-    fp32 = (_column(runs, "params.quant.scheme").fillna("fp32") == "fp32") & (backend != "xnnpack")
+    # QNN observers / calibration mean nothing for runs without a QNN scheme (fp32, XNNPACK)
+    fp32 = _column(runs, "params.quant.scheme").fillna("fp32") == "fp32"
     runs["params.observer.name"] = np.where(fp32, "-", _column(runs, "params.observer.name"))
     target = _column(runs, "tags.target")
     runs["target"] = target.where(target.notna(), "pytorch")
@@ -172,8 +173,14 @@ def build_report(runs: pd.DataFrame, columns: Optional[Sequence[str]] = None, al
     data["config_hash"] = _column(runs, "tags.config_hash").values
     data["weights_mb"] = pd.to_numeric(_column(runs, "metrics.weights_mb"), errors="coerce").values
     data["target"] = runs["target"].values
+    for extra in ("ppl_qdq_sub", "ppl_htp_vs_qdq", "top1_agreement_htp_vs_qdq", "htp_eval_tokens"):  # for the CSV
+        if f"metrics.{extra}" in runs and extra not in data:
+            data[extra] = pd.to_numeric(runs[f"metrics.{extra}"], errors="coerce").values
+    # size: the deployed program where there is one, else the weights at their quantized widths
+    data["size_mb"] = (pd.to_numeric(_column(runs, "metrics.pte_bytes"), errors="coerce") / 1e6).values
+    data["size_mb"] = data["size_mb"].fillna(data["weights_mb"])
     # one model's rows together, largest (least quantized) first, like the seeds' tables
-    sort = (["model"] if "model" in data else []) + ["weights_mb"]
+    sort = (["model"] if "model" in data else []) + ["size_mb"]
     data = data.sort_values(sort, ascending=[True] * (len(sort) - 1) + [False], kind="stable").reset_index(drop=True)
 
     table = data[[c for c in data.columns if c in chosen]].rename(columns={k: v[1] for k, v in chosen.items()})
@@ -239,17 +246,18 @@ def plot(report: Report, out_prefix: Path) -> List[Path]:
     data, written = report.data, []
     labels = data.get("scheme", data.index.astype(str)).astype(str)
     if "observer" in data:
-        labels = labels + "/" + data["observer"].astype(str)
+        labels = labels + np.where(data["observer"].astype(str) == "-", "", "/" + data["observer"].astype(str))
     ppl = _deployed_ppl(data)
-    size = data["pte_mb"] if "pte_mb" in data and data["pte_mb"].notna().all() else data["weights_mb"]
-    size_label = ".pte MB" if size is data.get("pte_mb") else "weights MB (quantized bits, rest fp32)"
+    size = data["size_mb"]
+    size_label = "MB: the .pte where deployed, else weights at their quantized widths"
     if ppl.notna().any() and size.notna().any():
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.scatter(size, ppl)
         for x, y, label in zip(size, ppl, labels):
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_yscale("log")  # a collapsed scheme (e.g. 8a8w on SmolLM2) would flatten the others
         ax.set_xlabel(size_label)
-        ax.set_ylabel("perplexity (QDQ / XNNPACK .pte; FP for fp32)")
+        ax.set_ylabel("perplexity (log scale)")
         ax.set_title("Perplexity vs size")
         ax.grid(alpha=0.3)
         fig.tight_layout()
@@ -260,20 +268,25 @@ def plot(report: Report, out_prefix: Path) -> List[Path]:
     if "decode_tok_s" in data and data["decode_tok_s"].notna().any():
         rows = data["decode_tok_s"].notna() & ppl.notna()
         speed, quality = data.loc[rows, "decode_tok_s"].to_numpy(float), ppl[rows].to_numpy(float)
-        targets = sorted(set(data.loc[rows, "target"])) if "target" in data else ["?"]
+        targets = data.loc[rows, "target"].to_numpy() if "target" in data else np.array(["?"] * int(rows.sum()))
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.scatter(speed, quality)
+        # one series and one Pareto front per target: emulator and CPU speeds are not comparable
+        for target in sorted(set(targets)):
+            mine = targets == target
+            ax.scatter(speed[mine], quality[mine], label=f"target={target}")
+            front = pareto_front(speed[mine], quality[mine])
+            ax.plot(speed[mine][front], quality[mine][front], "--", label=f"Pareto front ({target})")
         for x, y, label in zip(speed, quality, labels[rows]):
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        front = pareto_front(speed, quality)
-        ax.plot(speed[front], quality[front], "r--", label="Pareto front")
-        ax.set_xlabel(f"decode tok/s (target={', '.join(targets)})")
+        ax.set_xscale("log")
+        targets = sorted(set(targets))
+        ax.set_xlabel("decode tok/s (log scale)")
         ax.set_ylabel("perplexity (QDQ / XNNPACK .pte)")
         title = "Perplexity vs decode speed"
         if set(targets) & EMULATED:
             title += "\n(x86 HTP emulator timings, not phone speed)"
         ax.set_title(title)
-        ax.legend()
+        ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         path = out_prefix.with_name(out_prefix.name + "_ppl_vs_speed.png")
