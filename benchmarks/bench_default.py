@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import mlflow
@@ -26,6 +24,7 @@ from mlflow.tracking import MlflowClient
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks.common import run_qexp  # noqa: E402
 from qexp.track import embedded_store_uri  # noqa: E402
 
 TARGETS = {
@@ -35,16 +34,8 @@ TARGETS = {
 
 
 def run_once(label: str, experiment: str, cache_dir: str, store: str, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "qexp", f"+experiment={experiment}", f"cache_dir={cache_dir}",
-           "tracking.experiment=benchmarks", f"tracking.run_name=bench-{label}", *extra]
-    print(f"[bench] {label}: {' '.join(cmd[1:])}", flush=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "MLFLOW_TRACKING_URI": store},
-                          capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-3000:])
-        raise SystemExit(f"[bench] {label} run failed (exit {proc.returncode})")
+    wall, proc = run_qexp(label, [f"+experiment={experiment}", f"cache_dir={cache_dir}", "tracking.experiment=benchmarks",
+                                  f"tracking.run_name=bench-{label}", *extra], store)
     run_id = next(line.split()[2] for line in proc.stdout.splitlines() if line.startswith("qexp: run "))
     metrics = MlflowClient(store).get_run(run_id).data.metrics
     return {"label": label, "run_id": run_id, "wall_s": wall, **metrics}

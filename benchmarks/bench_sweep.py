@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,23 +23,14 @@ import pandas as pd
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks.common import run_qexp  # noqa: E402
 from qexp.track import embedded_store_uri  # noqa: E402
 
 TARGET_RATIO = 0.6
 
 
 def timed(label: str, args: list[str], store: str) -> float:
-    cmd = [sys.executable, "-m", "qexp", *args]
-    print(f"[bench] {label}: python -m qexp {' '.join(args)}", flush=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "MLFLOW_TRACKING_URI": store},
-                          capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-3000:])
-        raise SystemExit(f"[bench] {label} failed (exit {proc.returncode})")
-    print(f"[bench] {label}: {wall:.1f} s", flush=True)
-    return wall
+    return run_qexp(label, args, store)[0]
 
 
 def main() -> None:

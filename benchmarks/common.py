@@ -1,0 +1,25 @@
+"""What the benchmark scripts share: running `python -m qexp` as a subprocess, timed, against one MLflow store."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_qexp(label: str, args: list[str], store: str) -> tuple[float, subprocess.CompletedProcess]:
+    """Run `python -m qexp ARGS` logging into `store`; return (wall seconds, the process). Exits on failure."""
+    print(f"[bench] {label}: python -m qexp {' '.join(args)}", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "qexp", *args], cwd=REPO,
+                          env={**os.environ, "MLFLOW_TRACKING_URI": store}, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-3000:])
+        raise SystemExit(f"[bench] {label} failed (exit {proc.returncode})")
+    print(f"[bench] {label}: {wall:.1f} s", flush=True)
+    return wall, proc
