@@ -10,7 +10,13 @@ import os
 from pathlib import Path
 from typing import List
 
+import matplotlib
 import pytest
+
+# matplotlib's C++ font extension segfaults when first imported into a process that has already run the QNN HTP
+# libraries (test_htp, test_smollm2 run before the report tests); imported first, it is fine.
+matplotlib.use("Agg")
+import matplotlib.pyplot  # noqa: E402, F401
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
