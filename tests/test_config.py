@@ -34,8 +34,13 @@ def test_default_config(compose):
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
 def test_every_experiment_composes_and_validates(compose, experiment):
     cfg = compose([f"+experiment={experiment}"])
-    assert cfg.quant.name == experiment.replace("_wikitext", "")
-    assert cfg.backend.name == ("none" if experiment.startswith("fp32") else "htp")  # all phases the scheme allows
+    scheme = experiment.replace("_wikitext", "")
+    if scheme.startswith("xnnpack_"):  # CPU deployment: the scheme is the XNNPACK qmode, the QNN group stays fp32
+        assert cfg.quant.name == "fp32" and cfg.backend.name == "xnnpack"
+        assert cfg.backend.qmode == scheme.removeprefix("xnnpack_")
+    else:
+        assert cfg.quant.name == scheme
+        assert cfg.backend.name == ("none" if scheme == "fp32" else "htp")  # all phases the scheme allows
     validate(cfg)
 
 
