@@ -110,7 +110,7 @@ def main() -> None:
     from qexp.cache import Cache
     from qexp.evaluate import evaluate, make_windows
     from qexp.load import load_model, shipped_smollm2_gguf
-    from qexp.pipeline import _cpu_model, library_versions
+    from qexp.pipeline import cpu_model, library_versions
     from qexp.text import load_corpus
     from qexp.xnnpack import XnnpackRunner, export_program
 
@@ -169,7 +169,7 @@ def main() -> None:
         "prefill_ratio": stats["qexp"]["prefill_tok_s"] / stats["llama.cpp"]["prefill_tok_s"],
         "ppl_ratio": ppl_qexp / ppl_peer,
     }
-    print(f"\nqexp XNNPACK {args.qmode} vs llama.cpp {args.llama_cpp_type}, {args.threads} threads, {_cpu_model()}, "
+    print(f"\nqexp XNNPACK {args.qmode} vs llama.cpp {args.llama_cpp_type}, {args.threads} threads, {cpu_model()}, "
           f"target=cpu; {windows.n_windows} windows x {windows.seq_len} tokens ({corpus.source})")
     print(table.round(2).to_string())
     print(f"\nratios qexp / llama.cpp: decode {ratios['decode_ratio']:.3f} (goal >= 1.0), prefill "
@@ -180,7 +180,7 @@ def main() -> None:
     mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI") or embedded_store_uri())
     mlflow.set_experiment("benchmarks")
     with mlflow.start_run(run_name=f"bench_llama_cpp-{args.qmode}-vs-{args.llama_cpp_type}"):
-        mlflow.set_tags({"benchmark": "bench_llama_cpp", "target": "cpu", "cpu": _cpu_model(),
+        mlflow.set_tags({"benchmark": "bench_llama_cpp", "target": "cpu", "cpu": cpu_model(),
                          "qexp_qmode": args.qmode, "llama_cpp_type": args.llama_cpp_type,
                          "text_source": corpus.source})
         mlflow.log_params({"threads": args.threads, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,

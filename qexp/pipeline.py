@@ -135,12 +135,12 @@ def environment_tags() -> Dict[str, str]:
         "git_commit": commit + ("-dirty" if dirty else ""),
         **library_versions(),
         "host": socket.gethostname(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "python": platform.python_version(),
     }
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

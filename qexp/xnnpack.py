@@ -171,7 +171,7 @@ class XnnpackRunner:
 def measured_bandwidth_gbs(cache: Cache, threads: int, mbytes: int = 256, repeats: int = 5) -> float:
     """This machine's memory bandwidth: best of `repeats` copies of a `mbytes` buffer (read + write bytes / s),
     with the decode's thread count. Cached per CPU model and thread count (a copy benchmark takes ~1 s)."""
-    from qexp.pipeline import _cpu_model
+    from qexp.pipeline import cpu_model
 
     def build(tmp: Path) -> dict:
         previous = torch.get_num_threads()
@@ -188,9 +188,9 @@ def measured_bandwidth_gbs(cache: Cache, threads: int, mbytes: int = 256, repeat
             torch.set_num_threads(previous)
         gbs = 2 * src.numel() * 4 / best / 1e9
         (tmp / "bandwidth.json").write_text(json.dumps({"gbs": gbs}))
-        return {"cpu": _cpu_model(), "threads": threads, "mbytes": mbytes}
+        return {"cpu": cpu_model(), "threads": threads, "mbytes": mbytes}
 
-    path, _ = cache.get_or_build("membw", stable_hash([_cpu_model(), threads, mbytes], length=16), build)
+    path, _ = cache.get_or_build("membw", stable_hash([cpu_model(), threads, mbytes], length=16), build)
     return json.loads((path / "bandwidth.json").read_text())["gbs"]
 
 
