@@ -119,7 +119,10 @@ class AndroidTarget:
 
     def speed(self, prompt_text: str, mode: str, seq_len: int) -> dict:
         """The runner's own figures: decode tok/s from inference_speed.txt, and its stats line when it prints one."""
-        out = self.adb.shell(self._runner_command(mode, seq_len, [f"--prompt {shlex.quote(prompt_text)}"]))
+        extra = [f"--prompt {shlex.quote(prompt_text)}"]
+        if mode == "lookahead":  # the runner's lookahead decoder takes the shape the graph was compiled for
+            extra += [f"--ngram {self.backend.ngram}", f"--window {self.backend.window}", f"--gcap {self.backend.gcap}"]
+        out = self.adb.shell(self._runner_command(mode, seq_len, extra))
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(tmp) / "inference_speed.txt"
             self.adb.pull(f"{WORKSPACE}/outputs/inference_speed.txt", str(local))

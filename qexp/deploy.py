@@ -17,7 +17,7 @@ from qexp.cache import Cache
 from qexp.config import ModelMode, Target
 from qexp.errors import ConfigError, InputError
 from qexp.evaluate import EvalResult, Windows, evaluate
-from qexp.lower import META_FILE, PREFILL_GRAPH, DeployedProgram, compile_pte
+from qexp.lower import KV_GRAPH, META_FILE, PREFILL_GRAPH, DeployedProgram, compile_pte, graph_ar_lens
 from qexp.qnn_sdk import ensure_qnn_sdk
 from qexp.timing import StageTimer
 
@@ -48,13 +48,21 @@ def validate_htp(cfg) -> None:
             "libraries",
             "set model.recompose_hadamard=false (the rotation stays a matmul: same weights, same math)",
         )
+    decode_ar = graph_ar_lens(backend)[KV_GRAPH]
     if backend.model_mode == ModelMode.lookahead:
+        if backend.ngram < 2 or backend.window < 1 or backend.gcap < 1:
+            raise ConfigError(f"backend.ngram={backend.ngram}, window={backend.window}, gcap={backend.gcap}",
+                              "lookahead needs ngram >= 2, window >= 1, gcap >= 1")
+        if decode_ar >= backend.max_seq_len:
+            raise ConfigError(
+                f"lookahead's decode graph needs AR-{decode_ar} (next power of two of (window + gcap) * (ngram - 1)),"
+                f" not less than max_seq_len={backend.max_seq_len}", "lower window/gcap/ngram")
+    spare = backend.ngram if backend.model_mode == ModelMode.lookahead else 0  # a lookahead step may accept ngram
+    if cfg.bench.prompt_len + cfg.bench.new_tokens + spare > backend.max_seq_len - decode_ar:
         raise ConfigError(
-            "backend.model_mode=lookahead: qexp's runner does not implement lookahead decoding yet",
-            "use backend.model_mode=hybrid (or kv)",
-        )
-    if cfg.bench.prompt_len + cfg.bench.new_tokens > backend.max_seq_len:
-        raise ConfigError("bench.prompt_len + bench.new_tokens exceeds the context", "shorten them")
+            f"bench.prompt_len + bench.new_tokens ({cfg.bench.prompt_len} + {cfg.bench.new_tokens}) does not fit the "
+            f"decode graph's cache ({backend.max_seq_len - decode_ar} slots{' minus ngram' if spare else ''})",
+            "shorten them")
 
 
 def load_program(path: str) -> DeployedProgram:
@@ -114,7 +122,7 @@ def run_htp_phase(
     cfg, model, static, qdq_model, windows: Windows, fp: EvalResult, qdq: EvalResult, cache: Cache,
     timer: StageTimer, versions: dict, adb=None,
 ) -> Tuple[Dict[str, float], Dict[str, str]]:
-    from qexp.htp_runner import HtpRunner, measure_speed
+    from qexp.htp_runner import HtpRunner, lookahead_layout, measure_speed, verify_lookahead
 
     backend = cfg.backend
     metrics: Dict[str, float] = {}
@@ -156,10 +164,21 @@ def run_htp_phase(
 
     # ---- speed, labelled with its target
     prompt = [int(t) for t in windows.ids[0][: cfg.bench.prompt_len]]
+    lookahead = backend.model_mode == ModelMode.lookahead
+    layout = lookahead_layout(runner, backend) if lookahead else None
+    tags["decoder"] = "lookahead" if lookahead else "greedy"
     with timer.stage("bench_htp"):
-        speed, _ = measure_speed(runner, prompt, cfg.bench.new_tokens, cfg.kv.updater.value, cfg.bench.warmup,
-                                 cfg.bench.repeats)
+        speed, tokens = measure_speed(runner, prompt, cfg.bench.new_tokens, cfg.kv.updater.value, cfg.bench.warmup,
+                                      cfg.bench.repeats, tags["decoder"], layout)
     metrics.update({k: v for k, v in speed.items() if not (isinstance(v, float) and math.isnan(v))})
+    if lookahead:  # lossless? the same prompt decoded greedily through the same graph, one token per call
+        with timer.stage("verify_lookahead"):
+            metrics.update(verify_lookahead(runner, prompt, tokens, cfg.kv.updater.value))
+        metrics["lookahead_decode_speedup"] = metrics["decode_tok_s"] / metrics["decode_tok_s_greedy"]
+        log.info("lookahead decoding: %.2f tokens per call, %s greedy decoding's %d tokens (%.2fx its decode rate)",
+                 metrics["lookahead_tokens_per_step"],
+                 "the same as" if metrics["lookahead_matches_greedy"] else "DIFFERENT from", len(tokens),
+                 metrics["lookahead_decode_speedup"])
     log.info("speed on %s (NOT phone speed when x86_emulator): TTFT %.0f ms, prefill %.2f tok/s, decode %.2f tok/s",
              backend.target.value, speed["ttft_ms"], speed["prefill_tok_s"], speed["decode_tok_s"])
     return metrics, tags

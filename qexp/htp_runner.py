@@ -22,6 +22,7 @@ from typing import List, Sequence
 
 import torch
 
+from qexp.lookahead import LookaheadLayout, lookahead_decode
 from qexp.lower import KV_GRAPH, PREFILL_GRAPH, DeployedProgram
 from qexp.speed import Generation, measure
 
@@ -32,12 +33,20 @@ ATTEND, MASKED = 65535, 0
 
 @dataclass
 class UpdateStats:
-    seconds: List[float] = field(default_factory=list)
+    seconds: List[float] = field(default_factory=list)  # one entry per update call
     bytes_written: int = 0
+    tokens: int = 0  # tokens written (lookahead writes several per call)
 
     def per_token(self) -> dict:
-        n = max(len(self.seconds), 1)
+        n = max(self.tokens, 1)
         return {"update_us_per_token": 1e6 * sum(self.seconds) / n, "update_bytes_per_token": self.bytes_written / n}
+
+
+def _new_rows(k_out, v_out, n_new: int, rows):
+    if rows is None:
+        return k_out[..., :n_new], v_out[:, :, :n_new, :]
+    index = torch.as_tensor(list(rows))
+    return k_out.index_select(-1, index), v_out.index_select(2, index)
 
 
 class SmartMaskCache:
@@ -62,13 +71,16 @@ class SmartMaskCache:
         row[: self.n_past] = ATTEND
         return row
 
-    def update(self, k_out, v_out, n_new: int) -> None:
+    def update(self, k_out, v_out, n_new: int, rows: Sequence[int] | None = None) -> None:
+        """Append n_new output rows (the first n_new, or `rows`: lookahead's accepted ones) at n_past."""
         start = time.perf_counter()
         for layer, (k, v) in enumerate(zip(self.k, self.v)):
-            k[..., self.n_past : self.n_past + n_new] = k_out[layer][..., :n_new]
-            v[:, :, self.n_past : self.n_past + n_new, :] = v_out[layer][:, :, :n_new, :]
-            self.stats.bytes_written += (k_out[layer][..., :n_new].numel() + v_out[layer][:, :, :n_new].numel()) * k.element_size()
+            k_new, v_new = _new_rows(k_out[layer], v_out[layer], n_new, rows)
+            k[..., self.n_past : self.n_past + n_new] = k_new
+            v[:, :, self.n_past : self.n_past + n_new, :] = v_new
+            self.stats.bytes_written += (k_new.numel() + v_new.numel()) * k.element_size()
         self.n_past += n_new
+        self.stats.tokens += n_new
         self.stats.seconds.append(time.perf_counter() - start)
 
 
@@ -110,17 +122,19 @@ class ShiftPointerCache:
             row[self.cache_len - self.n_past : self.cache_len] = ATTEND  # the newest n_past slots, at the end
         return row
 
-    def update(self, k_out, v_out, n_new: int) -> None:
+    def update(self, k_out, v_out, n_new: int, rows: Sequence[int] | None = None) -> None:
         if self.shift + n_new > self.cache_len:
             raise RuntimeError("shift-pointer cache exhausted (more tokens than the context)")
         start = time.perf_counter()
         self.shift += n_new  # advance the start pointers: the oldest n_new slots leave the windows
         for layer in range(len(self.k_flat)):
             k_view, v_view = self._k_view(layer), self._v_view(layer)
-            k_view[..., self.cache_len - n_new :] = k_out[layer][..., :n_new]
-            v_view[:, :, self.cache_len - n_new :, :] = v_out[layer][:, :, :n_new, :]
-            self.stats.bytes_written += (k_out[layer][..., :n_new].numel() + v_out[layer][:, :, :n_new].numel()) * k_view.element_size()
+            k_new, v_new = _new_rows(k_out[layer], v_out[layer], n_new, rows)
+            k_view[..., self.cache_len - n_new :] = k_new
+            v_view[:, :, self.cache_len - n_new :, :] = v_new
+            self.stats.bytes_written += (k_new.numel() + v_new.numel()) * k_view.element_size()
         self.n_past += n_new
+        self.stats.tokens += n_new
         self.stats.seconds.append(time.perf_counter() - start)
 
 
@@ -151,16 +165,21 @@ class HtpRunner:
         cache_len = self.context - self.ar_len(graph)
         return UPDATERS[updater](self.n_layers, self.n_kv, self.head_dim, cache_len, zero_points, self.dtype)
 
-    def _run(self, graph: str, tokens: Sequence[int], cache, n_valid: int):
+    def _run(self, graph: str, tokens: Sequence[int], cache, n_valid: int, positions=None, block_mask=None):
+        """One graph call: tokens (right-padded to the AR length) after the cached ones. The block's own mask is
+        causal, or `block_mask` ([ar, ar] bool, lookahead's tree) with explicit `positions`."""
         ar = self.ar_len(graph)
         padded = torch.zeros((1, ar), dtype=torch.int32)
         padded[0, : len(tokens)] = torch.as_tensor(list(tokens), dtype=torch.int32)
         cache_len = self.context - ar
         mask = torch.full((1, 1, ar, self.context), MASKED, dtype=torch.uint16)
         mask[0, 0, :, :cache_len] = cache.mask_row(self.context)[:cache_len]
-        causal = torch.tril(torch.ones(ar, ar, dtype=torch.bool))
-        mask[0, 0, :, cache_len:] = torch.where(causal, ATTEND, MASKED).to(torch.uint16)
-        positions = (cache.n_past + torch.arange(ar, dtype=torch.int32)).unsqueeze(0)
+        if block_mask is None:
+            block_mask = torch.tril(torch.ones(ar, ar, dtype=torch.bool))
+        mask[0, 0, :, cache_len:] = torch.where(block_mask, ATTEND, MASKED).to(torch.uint16)
+        if positions is None:
+            positions = cache.n_past + torch.arange(ar, dtype=torch.int32)
+        positions = torch.as_tensor(positions, dtype=torch.int32).reshape(1, ar)
         out = self.module.run_method(graph, (padded, mask, positions, *cache.inputs()))
         scale, zero_point = self.meta["encodings"][graph]["logits"]
         logits = (out[0].to(torch.float32).reshape(ar, -1)[:n_valid] - zero_point) * scale
@@ -193,11 +212,10 @@ class HtpRunner:
         return torch.cat(rows), cache.stats
 
 
-def _generate(runner: "HtpRunner", prompt: Sequence[int], n_new: int, updater: str) -> Generation:
-    graphs = runner.meta["graphs"]
-    decode_cache = runner.new_cache(KV_GRAPH, updater)
-    start = time.perf_counter()
-    if PREFILL_GRAPH in graphs:  # hybrid / lookahead: the prompt in AR-N chunks, filling the decode cache too
+def _prefill(runner: "HtpRunner", prompt: Sequence[int], decode_cache) -> torch.Tensor:
+    """The prompt through prefill_forward in AR-N chunks (hybrid / lookahead) or kv_forward token by token (kv),
+    filling the decode cache; returns the last call's logits."""
+    if PREFILL_GRAPH in runner.meta["graphs"]:
         ar = runner.ar_len(PREFILL_GRAPH)
         prefill_cache = runner.new_cache(PREFILL_GRAPH)
         for chunk_start in range(0, len(prompt), ar):
@@ -206,26 +224,76 @@ def _generate(runner: "HtpRunner", prompt: Sequence[int], n_new: int, updater: s
             if chunk_start + ar < len(prompt):
                 prefill_cache.update(k_out, v_out, len(chunk))
             decode_cache.update(k_out, v_out, len(chunk))
-    else:  # kv mode: the prompt token by token
-        for token in prompt:
-            logits, k_out, v_out = runner._run(KV_GRAPH, [token], decode_cache, 1)
-            decode_cache.update(k_out, v_out, 1)
-    token = int(logits[-1].argmax())
-    prefill_end = time.perf_counter()
-    tokens = [token]
-    decode_cache.stats = UpdateStats()  # per-token update cost of decoding only
-    for _ in range(n_new - 1):
+        return logits
+    for token in prompt:
         logits, k_out, v_out = runner._run(KV_GRAPH, [token], decode_cache, 1)
         decode_cache.update(k_out, v_out, 1)
+    return logits
+
+
+def _greedy(runner: "HtpRunner", token: int, n_new: int, cache) -> List[int]:
+    """Plain greedy decoding through kv_forward, one token per call."""
+    tokens = [token]
+    for _ in range(n_new - 1):
+        logits, k_out, v_out = runner._run(KV_GRAPH, [token], cache, 1)
+        cache.update(k_out, v_out, 1)
         token = int(logits[-1].argmax())
         tokens.append(token)
+    return tokens
+
+
+def _lookahead(runner: "HtpRunner", prompt: Sequence[int], token: int, n_new: int, cache, layout):
+    last = {}
+
+    def forward(tokens, positions, block_mask):
+        logits, last["k"], last["v"] = runner._run(KV_GRAPH, tokens, cache, len(tokens), positions, block_mask)
+        return logits
+
+    def commit(rows):
+        cache.update(last["k"], last["v"], len(rows), rows)
+
+    return lookahead_decode(forward, commit, prompt, token, cache.n_past, n_new, layout, max_past=cache.cache_len)
+
+
+def _generate(runner: "HtpRunner", prompt: Sequence[int], n_new: int, updater: str, decoder: str = "greedy",
+              layout: "LookaheadLayout | None" = None) -> Generation:
+    """One timed generation: prefill, then `decoder` = greedy (one token per kv_forward call) or lookahead."""
+    decode_cache = runner.new_cache(KV_GRAPH, updater)
+    start = time.perf_counter()
+    token = int(_prefill(runner, prompt, decode_cache)[-1].argmax())
+    prefill_end = time.perf_counter()
+    decode_cache.stats = UpdateStats()  # per-token update cost of decoding only
+    extras = {}
+    if decoder == "lookahead":
+        tokens, stats = _lookahead(runner, prompt, token, n_new, decode_cache, layout)
+        extras.update(stats.metrics())
+    else:
+        tokens = _greedy(runner, token, n_new, decode_cache)
     end = time.perf_counter()
-    return Generation(tokens, prefill_end - start, prefill_end - start, end - prefill_end, len(prompt),
-                      {f"kv_{k}": v for k, v in decode_cache.stats.per_token().items()})
+    extras.update({f"kv_{k}": v for k, v in decode_cache.stats.per_token().items()})
+    return Generation(tokens, prefill_end - start, prefill_end - start, end - prefill_end, len(prompt), extras)
 
 
-def measure_speed(runner: "HtpRunner", prompt: Sequence[int], n_new: int, updater: str, warmup: int, repeats: int):
+def lookahead_layout(runner: "HtpRunner", backend) -> LookaheadLayout:
+    return LookaheadLayout(int(backend.ngram), int(backend.window), int(backend.gcap), runner.ar_len(KV_GRAPH))
+
+
+def measure_speed(runner: "HtpRunner", prompt: Sequence[int], n_new: int, updater: str, warmup: int, repeats: int,
+                  decoder: str = "greedy", layout: "LookaheadLayout | None" = None):
     """TTFT, prefill and decode tokens/s (qexp.speed), plus the KV update cost per decoded token.
     Returns (metrics, tokens of the last run)."""
-    metrics, last = measure(lambda: _generate(runner, prompt, n_new, updater), warmup, max(repeats, 1))
+    metrics, last = measure(lambda: _generate(runner, prompt, n_new, updater, decoder, layout), warmup,
+                            max(repeats, 1))
     return metrics, last.tokens
+
+
+def verify_lookahead(runner: "HtpRunner", prompt: Sequence[int], lookahead_tokens: List[int], updater: str) -> dict:
+    """Greedy decoding of the same prompt through the same kv_forward graph (one token per call), compared with
+    lookahead's output: equal tokens = lossless. Also its decode rate, for lookahead's speed-up on this target."""
+    greedy = _generate(runner, prompt, len(lookahead_tokens), updater)
+    same = 0
+    while same < len(greedy.tokens) and greedy.tokens[same] == lookahead_tokens[same]:
+        same += 1
+    greedy_rate = greedy.n_decoded / greedy.decode_s if greedy.decode_s > 0 else float("nan")
+    return {"lookahead_matches_greedy": float(same == len(greedy.tokens)),
+            "lookahead_greedy_prefix_tokens": float(same), "decode_tok_s_greedy": greedy_rate}

@@ -69,10 +69,11 @@ def device_files(tmp_path):
             "backend.serial=R5CT000STANDIN"]
 
 
-def test_android_run_with_stand_in(compose, store_uri, device_files, monkeypatch):
+@pytest.mark.parametrize("mode,eval_mode", [("hybrid", 1), ("lookahead", 2)])
+def test_android_run_with_stand_in(compose, store_uri, device_files, monkeypatch, mode, eval_mode):
     RecordingAdbStandIn.commands = []
     monkeypatch.setattr(qexp.android, "Adb", RecordingAdbStandIn)
-    result = run_experiment(compose(HTP_RUN + device_files))
+    result = run_experiment(compose(HTP_RUN + device_files + [f"backend.model_mode={mode}"]))
     run = MlflowClient(store_uri).get_run(result.run_id)
     assert run.data.tags["target"] == "android" and run.data.tags["htp_eval_path"] == "device_kv"
     pushed = {c[1] for c in RecordingAdbStandIn.commands if c[0] == "push"}
@@ -82,7 +83,8 @@ def test_android_run_with_stand_in(compose, store_uri, device_files, monkeypatch
     assert "--eval_mode 0" in logits_cmd and "--tokenized_prompt input_tokens.raw" in logits_cmd
     assert "--model_path model.pte" in logits_cmd and "--decoder_model_version llama2" in logits_cmd
     speed_cmd = next(s for s in shells if "--prompt" in s)
-    assert "--eval_mode 1" in speed_cmd  # hybrid
+    assert f"--eval_mode {eval_mode}" in speed_cmd
+    assert ("--ngram 3 --window 2 --gcap 2" in speed_cmd) == (mode == "lookahead")
     m = run.data.metrics
     assert m["ppl_htp"] == pytest.approx(512, rel=1e-6)  # the stand-in's uniform logits
     assert m["decode_tok_s"] == pytest.approx(123.4) and m["ttft_ms"] == 32 and m["prefill_tok_s"] == 500

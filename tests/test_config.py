@@ -35,6 +35,9 @@ def test_default_config(compose):
 def test_every_experiment_composes_and_validates(compose, experiment):
     cfg = compose([f"+experiment={experiment}"])
     scheme = experiment.replace("_wikitext", "")
+    if scheme.endswith("_lookahead"):
+        scheme = scheme.removesuffix("_lookahead")
+        assert cfg.backend.model_mode.value == "lookahead"
     if scheme.startswith("xnnpack_"):  # CPU deployment: the scheme is the XNNPACK qmode, the QNN group stays fp32
         assert cfg.quant.name == "fp32" and cfg.backend.name == "xnnpack"
         assert cfg.backend.qmode == scheme.removeprefix("xnnpack_")

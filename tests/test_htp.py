@@ -136,7 +136,6 @@ def test_unknown_soc_lists_valid(compose):
 @pytest.mark.parametrize("override,match", [
     ("quant=fp32", "quantized scheme"),
     ("backend.max_seq_len=128", "calibrated for"),
-    ("backend.model_mode=lookahead", "lookahead decoding"),
 ])
 def test_bad_htp_configs(compose, override, match):
     from qexp.errors import ConfigError
