@@ -1,0 +1,99 @@
+"""Diagnostic: how far HTP's integer kernels are from the QDQ (fake-quant) program for one linear layer, by weight bits.
+
+Takes one weight matrix of the model (default SmolLM2's layer-0 gate projection) and a Gaussian copy of it, quantizes
+a single linear layer with QnnQuantizer at 16a8w and 16a4w (per-channel weights), lowers it to HTP, runs it on the
+x86 HTP emulator and prints the SQNR of HTP vs QDQ and of both vs fp32. This is where the 16a4w HTP-vs-QDQ
+perplexity gap on SmolLM2 comes from (see README, "Measured here").
+
+    .venv/bin/python benchmarks/diag_htp_weight_bits.py [--weight layers.0.feed_forward.w1.weight] [overrides ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import mlflow
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def sqnr_db(x: torch.Tensor, reference: torch.Tensor) -> float:
+    noise = ((x - reference) ** 2).sum().item()
+    return math.inf if noise == 0 else 10 * math.log10((reference ** 2).sum().item() / noise)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weight", default="layers.0.feed_forward.w1.weight")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+
+    from hydra import compose, initialize_config_dir
+
+    import qexp.config  # noqa: F401
+    from qexp.cache import Cache
+    from qexp.load import load_model
+    from qexp.qnn_sdk import ensure_qnn_sdk
+    from qexp.track import resolve_uri
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=16a4w_wikitext", *args.overrides])
+    cache = Cache(cfg.cache_dir)
+    ensure_qnn_sdk(cache)
+    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
+    from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
+    from executorch.backends.qualcomm.utils.utils import (
+        generate_htp_compiler_spec,
+        generate_qnn_executorch_compiler_spec,
+        to_edge_transform_and_lower_to_qnn,
+    )
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    weight = load_model(cfg.model, cache).state_dict[args.weight].float()
+    generator = torch.Generator().manual_seed(0)
+    weights = {"model": weight, "gaussian": torch.randn(weight.shape, generator=generator) * weight.std()}
+    calibration = [torch.randn(32, weight.shape[1], generator=generator) for _ in range(8)]
+    x = (torch.randn(32, weight.shape[1], generator=generator),)
+    soc = getattr(QcomChipset, cfg.backend.soc.value)
+    results = {}
+    print(f"{cfg.model.name} {args.weight} {tuple(weight.shape)}, target=x86_emulator")
+    with tempfile.TemporaryDirectory() as tmp:
+        for source, w in weights.items():
+            for scheme in ("16a8w", "16a4w"):
+                layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).eval()
+                layer.weight.data = w.clone()
+                quantizer = QnnQuantizer(soc_model=soc)
+                quantizer.set_default_quant_config(getattr(QuantDtype, f"use_{scheme}"), is_linear_per_channel=True,
+                                                   is_conv_per_channel=True)
+                prepared = prepare_pt2e(torch.export.export(layer, x, strict=False).module(), quantizer)
+                for batch in calibration + [x[0]]:
+                    prepared(batch)
+                qdq = convert_pt2e(prepared)
+                edge = to_edge_transform_and_lower_to_qnn(qdq, x, generate_qnn_executorch_compiler_spec(
+                    soc_model=soc, backend_options=generate_htp_compiler_spec(use_fp16=False)))
+                pte = Path(tmp) / f"{source}_{scheme}.pte"
+                pte.write_bytes(edge.to_executorch().buffer)
+                with torch.no_grad():
+                    fp, reference = layer(*x), qdq(*x)
+                htp = _load_for_executorch(str(pte)).forward(x)[0]
+                row = {"htp_vs_qdq_db": sqnr_db(htp, reference), "qdq_vs_fp_db": sqnr_db(reference, fp),
+                       "htp_vs_fp_db": sqnr_db(htp, fp)}
+                results.update({f"{source}_{scheme}_{k}": v for k, v in row.items()})
+                print(f"  {source:8s} {scheme}: HTP vs QDQ {row['htp_vs_qdq_db']:6.1f} dB | QDQ vs fp32 "
+                      f"{row['qdq_vs_fp_db']:5.1f} dB | HTP vs fp32 {row['htp_vs_fp_db']:5.1f} dB", flush=True)
+    mlflow.set_tracking_uri(resolve_uri(cfg.tracking))
+    mlflow.set_experiment("benchmarks")
+    with mlflow.start_run(run_name=f"diag_htp_weight_bits-{cfg.model.name}"):
+        mlflow.set_tags({"benchmark": "diag_htp_weight_bits", "target": "x86_emulator", "weight": args.weight})
+        mlflow.log_metrics(results)
+
+
+if __name__ == "__main__":
+    main()
