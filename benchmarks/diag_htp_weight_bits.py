@@ -28,6 +28,12 @@ def sqnr_db(x: torch.Tensor, reference: torch.Tensor) -> float:
     return math.inf if noise == 0 else 10 * math.log10((reference ** 2).sum().item() / noise)
 
 
+def _channel_bias(error: torch.Tensor) -> float:
+    """Share of the error's energy that is a constant offset per output channel (0: noise-like, 1: pure bias)."""
+    per_channel_mean = error.mean(dim=0, keepdim=True)
+    return (per_channel_mean.pow(2).sum() * error.shape[0] / error.pow(2).sum().clamp_min(1e-30)).item()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weight", default="layers.0.feed_forward.w1.weight")
@@ -83,11 +89,17 @@ def main() -> None:
                 with torch.no_grad():
                     fp, reference = layer(*x), qdq(*x)
                 htp = _load_for_executorch(str(pte)).forward(x)[0]
+                error = htp - reference
                 row = {"htp_vs_qdq_db": sqnr_db(htp, reference), "qdq_vs_fp_db": sqnr_db(reference, fp),
-                       "htp_vs_fp_db": sqnr_db(htp, fp)}
+                       "htp_vs_fp_db": sqnr_db(htp, fp),
+                       # a systematic error (mean far from 0 relative to its spread) compounds over layers; noise does not
+                       "htp_error_mean_over_rms": (error.mean() / error.pow(2).mean().sqrt().clamp_min(1e-30)).item(),
+                       "htp_error_vs_input_corr": _channel_bias(error)}
                 results.update({f"{source}_{scheme}_{k}": v for k, v in row.items()})
                 print(f"  {source:8s} {scheme}: HTP vs QDQ {row['htp_vs_qdq_db']:6.1f} dB | QDQ vs fp32 "
-                      f"{row['qdq_vs_fp_db']:5.1f} dB | HTP vs fp32 {row['htp_vs_fp_db']:5.1f} dB", flush=True)
+                      f"{row['qdq_vs_fp_db']:5.1f} dB | HTP vs fp32 {row['htp_vs_fp_db']:5.1f} dB | HTP error: mean/rms "
+                      f"{row['htp_error_mean_over_rms']:+.3f}, per-channel bias share {row['htp_error_vs_input_corr']:.3f}",
+                      flush=True)
     mlflow.set_tracking_uri(resolve_uri(cfg.tracking))
     mlflow.set_experiment("benchmarks")
     with mlflow.start_run(run_name=f"diag_htp_weight_bits-{cfg.model.name}"):
