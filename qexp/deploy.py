@@ -164,14 +164,13 @@ def run_htp_phase(
 
     # ---- speed, labelled with its target
     prompt = [int(t) for t in windows.ids[0][: cfg.bench.prompt_len]]
-    lookahead = backend.model_mode == ModelMode.lookahead
-    layout = lookahead_layout(runner, backend) if lookahead else None
-    tags["decoder"] = "lookahead" if lookahead else "greedy"
+    lookahead = lookahead_layout(runner, backend) if backend.model_mode == ModelMode.lookahead else None
+    tags["decoder"] = "greedy" if lookahead is None else "lookahead"
     with timer.stage("bench_htp"):
         speed, tokens = measure_speed(runner, prompt, cfg.bench.new_tokens, cfg.kv.updater.value, cfg.bench.warmup,
-                                      cfg.bench.repeats, tags["decoder"], layout)
+                                      cfg.bench.repeats, lookahead)
     metrics.update({k: v for k, v in speed.items() if not (isinstance(v, float) and math.isnan(v))})
-    if lookahead:  # lossless? the same prompt decoded greedily through the same graph, one token per call
+    if lookahead is not None:  # lossless? the same prompt decoded greedily through the same graph, one token per call
         with timer.stage("verify_lookahead"):
             metrics.update(verify_lookahead(runner, prompt, tokens, cfg.kv.updater.value))
         metrics["lookahead_decode_speedup"] = metrics["decode_tok_s"] / metrics["decode_tok_s_greedy"]

@@ -11,6 +11,9 @@ Two KV-cache update mechanisms (the seeds' table):
   one is written at the window's end; the mask attends to the last n_past slots.
 Attention does not depend on the order of cached keys (RoPE is applied before caching), so both give the same
 logits up to accumulation order.
+
+Decoding is greedy (one token per kv_forward call) or, in model_mode=lookahead, lookahead decoding (qexp.lookahead)
+through the same graph with a tree mask; the accepted rows' K/V are written through either updater.
 """
 
 from __future__ import annotations
@@ -255,17 +258,17 @@ def _lookahead(runner: "HtpRunner", prompt: Sequence[int], token: int, n_new: in
     return lookahead_decode(forward, commit, prompt, token, cache.n_past, n_new, layout, max_past=cache.cache_len)
 
 
-def _generate(runner: "HtpRunner", prompt: Sequence[int], n_new: int, updater: str, decoder: str = "greedy",
-              layout: "LookaheadLayout | None" = None) -> Generation:
-    """One timed generation: prefill, then `decoder` = greedy (one token per kv_forward call) or lookahead."""
+def _generate(runner: "HtpRunner", prompt: Sequence[int], n_new: int, updater: str,
+              lookahead: LookaheadLayout | None = None) -> Generation:
+    """One timed generation: prefill, then greedy decoding (one token per kv_forward call) or lookahead decoding."""
     decode_cache = runner.new_cache(KV_GRAPH, updater)
     start = time.perf_counter()
     token = int(_prefill(runner, prompt, decode_cache)[-1].argmax())
     prefill_end = time.perf_counter()
     decode_cache.stats = UpdateStats()  # per-token update cost of decoding only
     extras = {}
-    if decoder == "lookahead":
-        tokens, stats = _lookahead(runner, prompt, token, n_new, decode_cache, layout)
+    if lookahead is not None:
+        tokens, stats = _lookahead(runner, prompt, token, n_new, decode_cache, lookahead)
         extras.update(stats.metrics())
     else:
         tokens = _greedy(runner, token, n_new, decode_cache)
@@ -279,11 +282,10 @@ def lookahead_layout(runner: "HtpRunner", backend) -> LookaheadLayout:
 
 
 def measure_speed(runner: "HtpRunner", prompt: Sequence[int], n_new: int, updater: str, warmup: int, repeats: int,
-                  decoder: str = "greedy", layout: "LookaheadLayout | None" = None):
-    """TTFT, prefill and decode tokens/s (qexp.speed), plus the KV update cost per decoded token.
-    Returns (metrics, tokens of the last run)."""
-    metrics, last = measure(lambda: _generate(runner, prompt, n_new, updater, decoder, layout), warmup,
-                            max(repeats, 1))
+                  lookahead: LookaheadLayout | None = None):
+    """TTFT, prefill and decode tokens/s (qexp.speed), plus the KV update cost per decoded token; decoding is greedy,
+    or lookahead decoding with that layout. Returns (metrics, tokens of the last run)."""
+    metrics, last = measure(lambda: _generate(runner, prompt, n_new, updater, lookahead), warmup, max(repeats, 1))
     return metrics, last.tokens
 
 
