@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from benchmarks.common import run_qexp  # noqa: E402
+from benchmarks.common import benchmark_run, run_qexp  # noqa: E402
 from qexp.track import embedded_store_uri  # noqa: E402
 
 TARGETS = {
@@ -77,12 +77,11 @@ def main() -> None:
     for key in ("cold_vs_target", "warm_vs_target", "peak_rss_vs_target", "warm_vs_cold"):
         print(f"  {key:20s} {summary[key]:.3f}")
 
-    mlflow.set_tracking_uri(args.store)
-    mlflow.set_experiment("benchmarks")
-    with mlflow.start_run(run_name=f"bench_default-{args.experiment}"):
-        mlflow.set_tags({"benchmark": "bench_default", "cold_run": cold["run_id"], "warm_run": warm["run_id"],
-                         "targets": phases, "target": "x86_emulator" if phases == "with_htp" else "cpu",
-                         "experiment": args.experiment, "overrides": " ".join(args.overrides)})
+    with benchmark_run(args.store, f"bench_default-{args.experiment}", "bench_default", {
+        "cold_run": cold["run_id"], "warm_run": warm["run_id"], "targets": phases,
+        "target": "x86_emulator" if phases == "with_htp" else "cpu", "experiment": args.experiment,
+        "overrides": " ".join(args.overrides),
+    }):
         mlflow.log_metrics(summary)
         mlflow.log_text(table.round(3).to_csv(), "stages.csv")
 

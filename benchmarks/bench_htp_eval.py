@@ -20,6 +20,7 @@ import mlflow
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks.common import benchmark_run  # noqa: E402
 
 
 def main() -> None:
@@ -93,10 +94,8 @@ def main() -> None:
         print(f"  {name:24s} {value:.4g}")
     print(f"  targets: speedup >= 10 -> {'met' if summary['speedup_prefill_vs_kv'] >= 10 else 'NOT met'}; "
           f"ppl diff <= 1e-3 -> {'met' if summary['ppl_rel_diff'] <= 1e-3 else 'NOT met'}")
-    mlflow.set_tracking_uri(resolve_uri(cfg.tracking))
-    mlflow.set_experiment("benchmarks")
-    with mlflow.start_run(run_name=f"bench_htp_eval-{cfg.model.name}-{cfg.quant.scheme}"):
-        mlflow.set_tags({"benchmark": "bench_htp_eval", "target": "x86_emulator", "model": cfg.model.name})
+    with benchmark_run(resolve_uri(cfg.tracking), f"bench_htp_eval-{cfg.model.name}-{cfg.quant.scheme}",
+                       "bench_htp_eval", {"target": "x86_emulator", "model": cfg.model.name}):
         mlflow.log_metrics(summary)
 
 

@@ -29,6 +29,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks.common import benchmark_run  # noqa: E402
 
 from qexp.speed import Generation, summarize  # noqa: E402
 
@@ -177,12 +178,11 @@ def main() -> None:
 
     from qexp.track import embedded_store_uri
 
-    mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI") or embedded_store_uri())
-    mlflow.set_experiment("benchmarks")
-    with mlflow.start_run(run_name=f"bench_llama_cpp-{args.qmode}-vs-{args.llama_cpp_type}"):
-        mlflow.set_tags({"benchmark": "bench_llama_cpp", "target": "cpu", "cpu": cpu_model(),
-                         "qexp_qmode": args.qmode, "llama_cpp_type": args.llama_cpp_type,
-                         "text_source": corpus.source})
+    store = os.environ.get("MLFLOW_TRACKING_URI") or embedded_store_uri()
+    with benchmark_run(store, f"bench_llama_cpp-{args.qmode}-vs-{args.llama_cpp_type}", "bench_llama_cpp", {
+        "target": "cpu", "cpu": cpu_model(), "qexp_qmode": args.qmode, "llama_cpp_type": args.llama_cpp_type,
+        "text_source": corpus.source,
+    }):
         mlflow.log_params({"threads": args.threads, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                            "rounds": args.rounds, "eval.n_windows": windows.n_windows,
                            "eval.window_len": windows.seq_len})

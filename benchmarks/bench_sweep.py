@@ -23,7 +23,7 @@ import pandas as pd
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from benchmarks.common import run_qexp  # noqa: E402
+from benchmarks.common import benchmark_run, run_qexp  # noqa: E402
 from qexp.track import embedded_store_uri  # noqa: E402
 
 TARGET_RATIO = 0.6
@@ -61,11 +61,8 @@ def main() -> None:
     print(f"\nsweep / sum of independent cold runs = {ratio:.3f} (target <= {TARGET_RATIO}: "
           f"{'met' if ratio <= TARGET_RATIO else 'NOT met'})")
 
-    mlflow.set_tracking_uri(args.store)
-    mlflow.set_experiment("benchmarks")
-    with mlflow.start_run(run_name="bench_sweep"):
-        mlflow.set_tags({"benchmark": "bench_sweep", "configs": args.configs, "overrides": " ".join(common),
-                         "target": "cpu"})
+    with benchmark_run(args.store, "bench_sweep", "bench_sweep",
+                       {"configs": args.configs, "overrides": " ".join(common), "target": "cpu"}):
         mlflow.log_metrics({"independent_sum_s": independent, "sweep_s": sweep_wall, "sweep_vs_independent": ratio,
                             "sweep_vs_independent_target": TARGET_RATIO,
                             **{f"independent_{c}_s": w for c, w in walls.items()}})

@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: running `python -m qexp` as a subprocess, timed, against one MLflow store."""
+"""What the benchmark scripts share: running `python -m qexp` as a subprocess, timed, against one MLflow store, and
+logging a benchmark's figures as one run of the MLflow experiment `benchmarks`."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,3 +25,15 @@ def run_qexp(label: str, args: list[str], store: str) -> tuple[float, subprocess
         raise SystemExit(f"[bench] {label} failed (exit {proc.returncode})")
     print(f"[bench] {label}: {wall:.1f} s", flush=True)
     return wall, proc
+
+
+@contextmanager
+def benchmark_run(store: str, run_name: str, benchmark: str, tags: dict):
+    """An MLflow run in experiment `benchmarks` of `store`, tagged benchmark=<name> and `tags`."""
+    import mlflow
+
+    mlflow.set_tracking_uri(store)
+    mlflow.set_experiment("benchmarks")
+    with mlflow.start_run(run_name=run_name) as run:
+        mlflow.set_tags({"benchmark": benchmark, **tags})
+        yield run

@@ -21,6 +21,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks.common import benchmark_run  # noqa: E402
 
 FOUR_BIT_WEIGHTS = re.compile(r"layers\.\d+\.(attention\.w[qkvo]|feed_forward\.w[123])\.weight$")
 
@@ -102,10 +103,8 @@ def main() -> None:
     print(f"{cfg.model.name}: 4-bit-grid weights run as {cfg.quant.scheme} on HTP (target=x86_emulator)")
     for name, value in summary.items():
         print(f"  {name:28s} {value:.4g}")
-    mlflow.set_tracking_uri(resolve_uri(cfg.tracking))
-    mlflow.set_experiment("benchmarks")
-    with mlflow.start_run(run_name=f"diag_htp_w4_kernel-{cfg.model.name}"):
-        mlflow.set_tags({"benchmark": "diag_htp_w4_kernel", "target": "x86_emulator", "model": cfg.model.name})
+    with benchmark_run(resolve_uri(cfg.tracking), f"diag_htp_w4_kernel-{cfg.model.name}", "diag_htp_w4_kernel",
+                       {"target": "x86_emulator", "model": cfg.model.name}):
         mlflow.log_metrics(summary)
 
 

@@ -21,6 +21,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks.common import benchmark_run  # noqa: E402
 
 
 def sqnr_db(x: torch.Tensor, reference: torch.Tensor) -> float:
@@ -94,16 +95,14 @@ def main() -> None:
                        "htp_vs_fp_db": sqnr_db(htp, fp),
                        # a systematic error (mean far from 0 relative to its spread) compounds over layers; noise does not
                        "htp_error_mean_over_rms": (error.mean() / error.pow(2).mean().sqrt().clamp_min(1e-30)).item(),
-                       "htp_error_vs_input_corr": _channel_bias(error)}
+                       "htp_error_channel_offset_share": _channel_bias(error)}
                 results.update({f"{source}_{scheme}_{k}": v for k, v in row.items()})
                 print(f"  {source:8s} {scheme}: HTP vs QDQ {row['htp_vs_qdq_db']:6.1f} dB | QDQ vs fp32 "
                       f"{row['qdq_vs_fp_db']:5.1f} dB | HTP vs fp32 {row['htp_vs_fp_db']:5.1f} dB | HTP error: mean/rms "
-                      f"{row['htp_error_mean_over_rms']:+.3f}, per-channel bias share {row['htp_error_vs_input_corr']:.3f}",
+                      f"{row['htp_error_mean_over_rms']:+.3f}, per-channel bias share {row['htp_error_channel_offset_share']:.3f}",
                       flush=True)
-    mlflow.set_tracking_uri(resolve_uri(cfg.tracking))
-    mlflow.set_experiment("benchmarks")
-    with mlflow.start_run(run_name=f"diag_htp_weight_bits-{cfg.model.name}"):
-        mlflow.set_tags({"benchmark": "diag_htp_weight_bits", "target": "x86_emulator", "weight": args.weight})
+    with benchmark_run(resolve_uri(cfg.tracking), f"diag_htp_weight_bits-{cfg.model.name}", "diag_htp_weight_bits",
+                       {"target": "x86_emulator", "weight": args.weight}):
         mlflow.log_metrics(results)
 
 
