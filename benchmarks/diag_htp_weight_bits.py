@@ -98,9 +98,9 @@ def main() -> None:
                        "htp_error_channel_offset_share": _channel_bias(error)}
                 results.update({f"{source}_{scheme}_{k}": v for k, v in row.items()})
                 print(f"  {source:8s} {scheme}: HTP vs QDQ {row['htp_vs_qdq_db']:6.1f} dB | QDQ vs fp32 "
-                      f"{row['qdq_vs_fp_db']:5.1f} dB | HTP vs fp32 {row['htp_vs_fp_db']:5.1f} dB | HTP error: mean/rms "
-                      f"{row['htp_error_mean_over_rms']:+.3f}, per-channel bias share {row['htp_error_channel_offset_share']:.3f}",
-                      flush=True)
+                      f"{row['qdq_vs_fp_db']:5.1f} dB | HTP vs fp32 {row['htp_vs_fp_db']:5.1f} dB | HTP error: "
+                      f"mean/rms {row['htp_error_mean_over_rms']:+.3f}, "
+                      f"per-channel offset share {row['htp_error_channel_offset_share']:.3f}", flush=True)
     with benchmark_run(resolve_uri(cfg.tracking), f"diag_htp_weight_bits-{cfg.model.name}", "diag_htp_weight_bits",
                        {"target": "x86_emulator", "weight": args.weight}):
         mlflow.log_metrics(results)
