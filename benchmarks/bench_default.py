@@ -25,7 +25,7 @@ from mlflow.tracking import MlflowClient
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.common import benchmark_run, run_qexp  # noqa: E402
-from qexp.track import embedded_store_uri  # noqa: E402
+from qexp.tracking.store import embedded_store_uri  # noqa: E402
 
 TARGETS = {
     "cpu_phases": {"cold_s": 300.0, "warm_s": 120.0, "peak_rss_mb": 6 * 1024.0},
@@ -62,7 +62,7 @@ def main() -> None:
     print("\nper-stage seconds (nested stages: export/prepare/calibrate/convert/save_qdq are inside quantize)")
     print(table.round(1).to_string())
 
-    phases = "with_htp" if "ppl_htp" in cold else "cpu_phases"
+    phases = "with_htp" if "ppl_deployed" in cold else "cpu_phases"
     targets = TARGETS[phases]
     summary = {
         "cold_wall_s": cold["wall_s"],

@@ -34,35 +34,21 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
     import qexp.config  # noqa: F401
-    from qexp.cache import Cache
-    from qexp.calibration import build_calibration
-    from qexp.evaluate import make_windows
-    from qexp.htp_runner import HtpRunner
-    from qexp.load import load_model
-    from qexp.lower import compile_pte
-    from qexp.pipeline import library_versions, qdq_cache_key
-    from qexp.quantize import quantize
-    from qexp.static_model import StaticLlama
-    from qexp.text import load_corpus
-    from qexp.timing import StageTimer
-    from qexp.track import resolve_uri
+    from qexp.backends.htp.lower import compile_pte
+    from qexp.backends.htp.runner import HtpRunner
+    from qexp.pipeline import prepare
+    from qexp.provenance import library_versions
+    from qexp.tracking.store import resolve_uri
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+experiment=16a8w_wikitext", "backend=htp",
                                                         "backend.model_mode=hybrid", *args.overrides])
-    cache, timer = Cache(cfg.cache_dir), StageTimer()
-    model = load_model(cfg.model, cache)
-    corpus = load_corpus(cfg.text, cache)
-    context = cfg.export.max_context_len
-    static = StaticLlama(model, context, r3=cfg.model.r3)
-    calibration = build_calibration(cfg.calibration, corpus, model.tokenizer, model.add_bos, context)
-    versions = library_versions()
-    key = qdq_cache_key(cfg, model, static, calibration)  # the pipeline's key: reuses an experiment's cache entry
-    qdq = quantize(static, cfg.quant, cfg.observer, calibration, cache, key, timer=timer,
-                   recompose_hadamard=cfg.model.recompose_hadamard)
-    program = compile_pte(model, cfg, qdq, static.r3, cache, timer, versions)
+    # The pipeline's stages through the QDQ phase (cached: reuses an experiment's entries), then the HTP compile.
+    state = prepare(cfg, through="qdq")
+    program = compile_pte(state.deploy_model, cfg, state.qdq.program, state.static.r3, state.cache, state.timer,
+                          library_versions())
     runner = HtpRunner(program)
-    ids = make_windows(corpus.joined("test"), model.tokenizer, context, 1, model.add_bos).ids[0][: args.tokens]
+    ids = state.windows.ids[0][: args.tokens]
     targets = torch.as_tensor(ids[1:], dtype=torch.long)
 
     def ppl(logits):

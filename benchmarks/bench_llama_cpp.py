@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.common import benchmark_run  # noqa: E402
 
-from qexp.speed import Generation, summarize  # noqa: E402
+from qexp.backends.speed import Generation, summarize  # noqa: E402
 
 
 def compose(overrides):
@@ -108,19 +108,21 @@ def main() -> None:
     except ImportError:
         raise SystemExit("llama-cpp-python is not installed: run `bash benchmarks/setup_llama_cpp.sh` first")
 
-    from qexp.cache import Cache
-    from qexp.evaluate import evaluate, make_windows
-    from qexp.load import load_model, shipped_smollm2_gguf
-    from qexp.pipeline import cpu_model, library_versions
-    from qexp.text import load_corpus
-    from qexp.xnnpack import XnnpackRunner, export_program
+    from qexp.backends.xnnpack.export import export_program
+    from qexp.backends.xnnpack.runner import XnnpackRunner
+    from qexp.eval.perplexity import evaluate
+    from qexp.models.sources import shipped_smollm2_gguf
+    from qexp.pipeline import prepare
+    from qexp.provenance import cpu_model, library_versions
 
     cfg = compose(["backend=xnnpack", "quant=fp32", f"backend.qmode={args.qmode}", f"backend.threads={args.threads}",
                    f"eval.limit={args.eval_limit}"])
-    cache = Cache(cfg.cache_dir)
-    model = load_model(cfg.model, cache)
-    corpus = load_corpus(cfg.text, cache)
-    windows = make_windows(corpus.joined("test"), model.tokenizer, cfg.eval.seq_len, cfg.eval.limit, model.add_bos)
+    # The pipeline's stages through the FP phase: the model, the windows, and the fp32 reference (the dequantized
+    # GGUF) on them (cached, shared with experiments on the same windows).
+    state = prepare(cfg, through="fp")
+    cache, model, windows, corpus = state.cache, state.model, state.windows, state.corpus
+    ppl_fp = state.fp.metrics()["ppl"]
+    del state
     prompt = [int(t) for t in windows.ids[0][: args.prompt_len]]
     context = max(windows.seq_len, args.prompt_len + args.new_tokens)
 
@@ -137,11 +139,6 @@ def main() -> None:
         peer_eval = LlamaCpp(gguf, args.threads, windows.seq_len, logits_all=True)
 
         print("[bench] perplexity on the same windows", flush=True)
-        from qexp.static_model import StaticLlama, window_logits
-
-        static = StaticLlama(model, windows.seq_len)  # the fp32 reference (the dequantized GGUF) on the same windows
-        ppl_fp = evaluate(lambda ids: window_logits(static.module, static, ids), windows, "FP").metrics()["ppl"]
-        del static
         ppl_qexp = evaluate(qexp_runner.window_logits, windows, "qexp").metrics()["ppl"]
         ppl_peer = evaluate(peer_eval.window_logits, windows, "llama.cpp").metrics()["ppl"]
 
@@ -176,7 +173,7 @@ def main() -> None:
     print(f"\nratios qexp / llama.cpp: decode {ratios['decode_ratio']:.3f} (goal >= 1.0), prefill "
           f"{ratios['prefill_ratio']:.3f}, perplexity {ratios['ppl_ratio']:.3f}; same greedy tokens: {same_tokens}")
 
-    from qexp.track import embedded_store_uri
+    from qexp.tracking.store import embedded_store_uri
 
     store = os.environ.get("MLFLOW_TRACKING_URI") or embedded_store_uri()
     with benchmark_run(store, f"bench_llama_cpp-{args.qmode}-vs-{args.llama_cpp_type}", "bench_llama_cpp", {

@@ -39,40 +39,39 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
     import qexp.config  # noqa: F401
-    from qexp.cache import Cache
-    from qexp.calibration import build_calibration
-    from qexp.evaluate import make_windows
-    from qexp.htp_runner import HtpRunner
-    from qexp.load import load_model
-    from qexp.lower import PREFILL_GRAPH, compile_pte, quantized_graph
-    from qexp.pipeline import library_versions, qdq_cache_key
-    from qexp.quantize import OBSERVERS, quantize
-    from qexp.static_model import StaticLlama
-    from qexp.text import load_corpus
-    from qexp.timing import StageTimer
-    from qexp.track import resolve_uri
+    from qexp.backends.htp.lower import PREFILL_GRAPH, compile_pte, quantized_graph
+    from qexp.backends.htp.runner import HtpRunner
+    from qexp.pipeline import prepare
+    from qexp.provenance import library_versions
+    from qexp.quant.calibrate import OBSERVERS
+    from qexp.tracking.store import resolve_uri
+    from qexp.transforms import ModelTransform, register_transform
+    from qexp.upstream.private import tree_leaves
+
+    @register_transform
+    class OnFourBitGrid(ModelTransform):
+        """The float weights 16a4w would quantize at 4 bits, put on that grid (a model transform: every graph the
+        pipeline and the HTP backend build from the model sees it)."""
+
+        name = "on_4bit_grid"
+
+        def apply(self, model, context):
+            return dataclasses.replace(model, state_dict=on_4bit_grid(model.state_dict))
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["+experiment=16a8w_wikitext", *sys.argv[1:]])
-    cache = Cache(cfg.cache_dir)
-    loaded = load_model(cfg.model, cache)
-    model = dataclasses.replace(loaded, state_dict=on_4bit_grid(loaded.state_dict),
-                                fingerprint=loaded.fingerprint + "-on-4bit-grid")
-    corpus = load_corpus(cfg.text, cache)
-    context = cfg.export.max_context_len
-    static = StaticLlama(model, context, r3=cfg.model.r3)
-    calibration = build_calibration(cfg.calibration, corpus, model.tokenizer, model.add_bos, context)
-    qdq = quantize(static, cfg.quant, cfg.observer, calibration, cache, qdq_cache_key(cfg, model, static, calibration),
-                   recompose_hadamard=cfg.model.recompose_hadamard)
-    program = compile_pte(model, cfg, qdq, static.r3, cache, StageTimer(), library_versions())
-    ids = make_windows(corpus.joined("test"), model.tokenizer, context, 1, model.add_bos).ids[0]
+        cfg = compose(config_name="config", overrides=["+experiment=16a8w_wikitext", "+algorithm.on_4bit_grid={}",
+                                                        *sys.argv[1:]])
+    state = prepare(cfg, through="qdq")
+    model, static, qdq, context = state.deploy_model, state.static, state.qdq.program, cfg.export.max_context_len
+    program = compile_pte(model, cfg, qdq, static.r3, state.cache, state.timer, library_versions())
+    ids = state.windows.ids[0]
     htp = HtpRunner(program).prefill_logits(ids)
 
     # the same AR-N graph on CPU (fake-quant), fed its own KV cache chunk by chunk, as the HTP runner does
     ar = program.meta["graphs"][PREFILL_GRAPH]
     stats = torch.load(qdq.program_path.parent / OBSERVERS, weights_only=True)
     graph, chunked = quantized_graph(model, context, ar, static.r3, cfg.quant, cfg.observer, stats,
-                                     cfg.model.recompose_hadamard)
+                                     cfg.model.recompose_hadamard, cfg.backend.soc.value)
     _, _, _, k_example, v_example = chunked.module.get_example_inputs()
     k_cache, v_cache = [torch.zeros_like(t) for t in k_example], [torch.zeros_like(t) for t in v_example]
     pieces, n_past, n_layers = [], 0, len(k_cache)
@@ -83,7 +82,7 @@ def main() -> None:
             mask = torch.full((1, 1, ar, context), -255.0)
             mask[..., :n_past] = 0
             mask[0, 0, :, context - ar :] = torch.where(torch.tril(torch.ones(ar, ar, dtype=torch.bool)), 0.0, -255.0)
-            out = torch.utils._pytree.tree_leaves(graph(tokens, mask, positions, *k_cache, *v_cache))
+            out = tree_leaves(graph(tokens, mask, positions, *k_cache, *v_cache))
             pieces.append(out[0].reshape(ar, -1)[: len(chunk)].float())
             if n_past + len(chunk) <= context - ar:
                 for layer in range(n_layers):

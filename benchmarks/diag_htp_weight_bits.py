@@ -45,9 +45,9 @@ def main() -> None:
 
     import qexp.config  # noqa: F401
     from qexp.cache import Cache
-    from qexp.load import load_model
-    from qexp.qnn_sdk import ensure_qnn_sdk
-    from qexp.track import resolve_uri
+    from qexp.models.sources import load_model
+    from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
+    from qexp.tracking.store import resolve_uri
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+experiment=16a4w_wikitext", *args.overrides])
@@ -60,7 +60,7 @@ def main() -> None:
         generate_qnn_executorch_compiler_spec,
         to_edge_transform_and_lower_to_qnn,
     )
-    from executorch.extension.pybindings.portable_lib import _load_for_executorch
+    from qexp.upstream.private import load_program
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     weight = load_model(cfg.model, cache).state_dict[args.weight].float()
@@ -89,7 +89,7 @@ def main() -> None:
                 pte.write_bytes(edge.to_executorch().buffer)
                 with torch.no_grad():
                     fp, reference = layer(*x), qdq(*x)
-                htp = _load_for_executorch(str(pte)).forward(x)[0]
+                htp = load_program(str(pte)).forward(x)[0]
                 error = htp - reference
                 row = {"htp_vs_qdq_db": sqnr_db(htp, reference), "qdq_vs_fp_db": sqnr_db(reference, fp),
                        "htp_vs_fp_db": sqnr_db(htp, fp),

@@ -15,7 +15,7 @@ from qexp.errors import QexpError
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     from qexp.pipeline import run_experiment
-    from qexp.sweep import current_job
+    from qexp.tracking.sweep import current_job
 
     job = current_job(cfg.tracking.sweep)
     try:

@@ -1,16 +1,17 @@
 """Structured configs: one dataclass per Hydra group, registered as the schema of `conf/`.
 
 Every YAML under conf/<group>/ is merged onto the dataclass of that group, so a misspelt key or a wrong type is
-rejected by OmegaConf, and Enum fields reject unknown values with the list of valid ones. Values that are plain
-strings in YAML but come from a closed set (quantization schemes, custom annotations, upstream architectures)
-are checked by `validate()` before a run starts.
+rejected by OmegaConf, and Enum fields reject unknown values with the list of valid ones. Backends bring their own
+dataclass (qexp/backends/<name>/config.py): HTP's SoC and model mode are not XNNPACK's thread count. Values that
+are plain strings in YAML but come from a closed set (quantization schemes, custom annotations, upstream
+architectures) are checked by `validate()` before a run starts.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -39,37 +40,6 @@ class CalibrationKind(enum.Enum):
     wikitext = "wikitext"
     prompt = "prompt"
     chat = "chat"
-
-
-class BackendKind(enum.Enum):
-    none = "none"
-    htp = "htp"
-    xnnpack = "xnnpack"
-
-
-class Soc(enum.Enum):
-    """Snapdragon SoCs with a Hexagon NPU (QcomChipset names)."""
-
-    SM8550 = "SM8550"  # Snapdragon 8 Gen 2
-    SM8650 = "SM8650"  # Snapdragon 8 Gen 3
-    SM8750 = "SM8750"  # Snapdragon 8 Elite
-
-
-class ModelMode(enum.Enum):
-    kv = "kv"  # one kv_forward graph (AR-1): prompt and decode token by token
-    hybrid = "hybrid"  # prefill_forward (AR-N) for the prompt, then kv_forward
-    lookahead = "lookahead"  # AR-N prompt processing + lookahead decoding (lossless)
-
-
-class Target(enum.Enum):
-    x86_emulator = "x86_emulator"  # HTP emulated on this host by the x86_64 QNN libraries: timings are NOT phone timings
-    android = "android"  # a phone over adb with a user-built qnn_llama_runner
-    cpu = "cpu"  # this machine's CPU (XNNPACK): real speed
-
-
-class KvUpdate(enum.Enum):
-    smart_mask = "smart_mask"
-    shift_pointer = "shift_pointer"
 
 
 # Quantization schemes qexp knows, as QnnQuantizer's QuantDtype names without the `use_` prefix.
@@ -170,68 +140,12 @@ class EvalConfig:
     name: str = "wikitext"
     seq_len: int = 256  # tokens per window (including BOS when the model adds one)
     limit: int = 8  # number of windows
-    # On-target (HTP) perplexity is computed on a subset of these windows: this many tokens through the AR-N prefill
-    # graph (whole windows first), or htp_kv_tokens token by token when only the kv graph exists.
-    htp_tokens: int = 256
-    htp_kv_tokens: int = 32
 
 
 @dataclass
 class ExportConfig:
     # Context length of the static graphs (calibration graph, and later the deployed kv/prefill graphs).
     max_context_len: int = 256
-
-
-@dataclass
-class BackendConfig:
-    name: str = "none"
-    kind: BackendKind = BackendKind.none
-    # HTP (ignored by backend=none)
-    soc: Soc = Soc.SM8650
-    model_mode: ModelMode = ModelMode.hybrid
-    prefill_ar_len: int = 32  # tokens per prefill_forward call (hybrid / lookahead, and on-target perplexity)
-    max_seq_len: int = 256  # context of the deployed graphs; must equal export.max_context_len (the calibration)
-    target: Target = Target.x86_emulator
-    pte_path: Optional[str] = None  # run this pre-generated .pte instead of compiling
-    # target=android (a phone over adb; not verifiable on this machine)
-    serial: Optional[str] = None  # adb serial (null = the only attached device)
-    runner: Optional[str] = None  # a user-built qnn_llama_runner (ExecuTorch Qualcomm backend, Android)
-    qnn_lib_dir: Optional[str] = None  # the device's QNN libraries (libQnnHtp.so, libQnnHtpV*Stub.so, skels, ...)
-    ngram: int = 3  # lookahead
-    window: int = 2
-    gcap: int = 2
-    # XNNPACK (CPU): ExecuTorch's LLM export quantization, one of XNNPACK_QMODES
-    qmode: str = "8da4w"
-    group_size: int = 32  # 8da4w weight groups (SmolLM2's dims are multiples of 32 and 64, not 128)
-    embedding_quantize: Optional[str] = None  # "<bits>,<group>", e.g. "8,0" (per row) or "4,32"
-    threads: int = 2
-
-
-# ExecuTorch LLM export qmodes that work here: dynamic 8-bit activations with 4-bit grouped / 8-bit per-channel weights.
-XNNPACK_QMODES = ("fp32", "8da4w", "8da8w")
-XNNPACK_GROUPED = ("8da4w",)  # group-wise weights; 8da8w is per channel
-# Weight-only modes export_llama offers but that do not work with ExecuTorch 1.5.1 on this CPU (measured, tiny model).
-XNNPACK_BROKEN_QMODES = {
-    "int8": "export fails in ExecuTorch 1.5.1 (a and b must have same reduction dim, [s, 64] X [32, 64])",
-    "4w": "the exported program's logits are wrong on CPU in ExecuTorch 1.5.1 (cosine 0.05 to the eager model)",
-}
-
-
-@dataclass
-class KvConfig:
-    name: str = "smart_mask"
-    updater: KvUpdate = KvUpdate.smart_mask  # (not "update": DictConfig.update is a method)
-
-
-@dataclass
-class BenchConfig:
-    """Speed measurement of a deployed model (TTFT, prefill and decode tokens/s)."""
-
-    # Defaults sized for the x86 HTP emulator, where one SmolLM2 graph call takes ~5 s.
-    prompt_len: int = 32
-    new_tokens: int = 4
-    warmup: int = 1
-    repeats: int = 2
 
 
 @dataclass
@@ -257,17 +171,25 @@ class QexpConfig:
     text: TextConfig = field(default_factory=TextConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
-    backend: BackendConfig = field(default_factory=BackendConfig)
-    kv: KvConfig = field(default_factory=KvConfig)
-    bench: BenchConfig = field(default_factory=BenchConfig)
+    # One of the registered backends (qexp/backends); its own dataclass is the schema of conf/backend/<name>.yaml.
+    backend: Any = MISSING
+    # Model transforms (quantization algorithms) applied to the float model before quantization, in order:
+    # `algorithm=[a,b]` selects conf/algorithm/a.yaml and b.yaml, each a `<name>: {settings}` entry (qexp/transforms).
+    algorithm: Dict[str, Any] = field(default_factory=dict)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     # Where derived artifacts (dequantized models, calibrated programs) are cached, content-addressed.
     cache_dir: str = MISSING
-    seed: int = 0
 
 
 def register_configs() -> None:
-    ConfigStore.instance().store(name="qexp_schema", node=QexpConfig)
+    """The top-level schema, and each registered backend's config as `backend/<name>_schema` (the schema that
+    conf/backend/<name>.yaml lists in its defaults)."""
+    from qexp.backends import BACKENDS
+
+    store = ConfigStore.instance()
+    store.store(name="qexp_schema", node=QexpConfig)
+    for name, backend in BACKENDS.items():
+        store.store(group="backend", name=f"{name}_schema", node=backend.config_class)
 
 
 register_configs()

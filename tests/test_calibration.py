@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from conftest import TINY
-from qexp.calibration import build_calibration, check_disjoint
+from helpers import TINY
+from qexp.data.calibration import build_calibration, check_disjoint
 from qexp.errors import ConfigError, InputError
-from qexp.evaluate import make_windows
+from qexp.data.windows import make_windows
 
 
 def _build(compose, tiny_model, corpus, overrides):

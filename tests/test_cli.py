@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO, TINY
+from helpers import REPO, TINY
 
 
 def _qexp(args, cache_dir, store_uri, timeout=300):

@@ -6,12 +6,12 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ValidationError
 
-from conftest import CONF
+from helpers import CONF
 from qexp.config import SCHEMES
 from qexp.errors import ConfigError
 from qexp.pipeline import validate
 
-GROUPS = ["model", "quant", "observer", "calibration", "eval", "text", "backend", "kv", "tracking", "experiment"]
+GROUPS = ["model", "quant", "observer", "calibration", "eval", "text", "backend", "algorithm", "tracking", "experiment"]
 
 
 def test_groups_exist():
@@ -47,7 +47,7 @@ def test_every_experiment_composes_and_validates(compose, experiment):
     validate(cfg)
 
 
-@pytest.mark.parametrize("group", ["quant", "observer", "calibration", "kv", "model"])
+@pytest.mark.parametrize("group", ["quant", "observer", "calibration", "backend", "model"])
 def test_every_group_value_composes(compose, group):
     for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
         cfg = compose([f"{group}={option}"])
@@ -99,3 +99,29 @@ def test_unknown_arch_rejected(compose):
 def test_window_longer_than_graph_context_rejected(compose):
     with pytest.raises(ConfigError, match="max_context_len"):
         validate(compose(["eval.seq_len=512", "export.max_context_len=256"]))
+
+
+def test_each_backend_has_its_own_config(compose):
+    """HTP's settings are not XNNPACK's: each backend's dataclass is the schema of its group file."""
+    from omegaconf import OmegaConf
+
+    from qexp.backends import BACKENDS
+
+    for name, backend in BACKENDS.items():
+        cfg = compose([f"backend={name}"])
+        assert OmegaConf.get_type(cfg.backend) is backend.config_class
+    assert compose(["backend=htp", "backend.kv_update=shift_pointer"]).backend.bench.new_tokens == 4
+    assert compose(["backend=xnnpack"]).backend.bench.new_tokens == 64
+    for wrong in (["backend=xnnpack", "backend.soc=SM8650"], ["backend=htp", "backend.qmode=8da4w"],
+                  ["backend=none", "backend.kv_update=smart_mask"], ["backend=htp", "backend.kv_update=sideways"]):
+        with pytest.raises(ConfigCompositionException):
+            compose(wrong)
+
+
+def test_unknown_backend_and_algorithm_list_the_known_ones(compose):
+    from qexp.backends import get_backend
+
+    with pytest.raises(ConfigError, match="htp.*none.*xnnpack"):
+        get_backend("tpu")
+    with pytest.raises(ConfigError, match="unknown algorithm 'awq'"):
+        validate(compose(["+algorithm.awq={w_bit: 4}"]))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from qexp.errors import InputError
-from qexp.evaluate import evaluate, make_windows
+from qexp.data.windows import make_windows
+from qexp.eval.perplexity import evaluate
 
 
 def test_windows_shape_and_bos(tiny_model, corpus):
@@ -70,9 +71,22 @@ def test_metrics_follow_lm_eval_definitions(tiny_model, corpus):
     assert result.logprobs[0, 0] == pytest.approx(lp[0, ids[1]].item())
 
 
-def test_top1_agreement_with_itself(tiny_model, corpus):
+def test_comparison_with_itself(tiny_model, corpus):
+    from qexp.eval.compare import compare
+
     windows = make_windows(corpus.joined("test"), tiny_model.tokenizer, 16, 2, True)
     fn = lambda ids: torch.arange(len(ids) * 512, dtype=torch.float32).reshape(len(ids), 512)  # noqa: E731
-    first = evaluate(fn, windows, "a")
-    second = evaluate(fn, windows, "b", reference=first)
-    assert second.extras["top1_agreement"] == 1.0
+    first = evaluate(fn, windows, "a", keep_logits=1)
+    second = evaluate(fn, windows, "b", keep_logits=1)
+    assert compare(second, first, "b", "a") == {"ppl_b_vs_a": 0.0, "top1_agreement_b_vs_a": 1.0,
+                                                "logits_sqnr_db_b_vs_a": float("inf")}
+
+
+def test_comparison_refuses_different_windows(tiny_model, corpus):
+    from qexp.eval.compare import compare
+
+    fn = lambda ids: torch.zeros(len(ids), 512)  # noqa: E731
+    short = evaluate(fn, make_windows(corpus.joined("test"), tiny_model.tokenizer, 16, 2, True), "a")
+    longer = evaluate(fn, make_windows(corpus.joined("test"), tiny_model.tokenizer, 16, 3, True), "b")
+    with pytest.raises(ValueError, match="different windows"):
+        compare(longer, short, "b", "a")

@@ -8,15 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY
+from helpers import TINY
 from qexp.cache import Cache
-from qexp.calibration import build_calibration
-from qexp.evaluate import make_windows
-from qexp.htp_runner import HtpRunner
-from qexp.lower import KV_GRAPH, PREFILL_GRAPH, compile_pte
-from qexp.pipeline import library_versions
-from qexp.quantize import quantize
-from qexp.static_model import StaticLlama, window_logits
+from qexp.data.calibration import build_calibration
+from qexp.data.windows import make_windows
+from qexp.backends.htp.runner import HtpRunner
+from qexp.backends.htp.lower import KV_GRAPH, PREFILL_GRAPH, compile_pte
+from qexp.provenance import library_versions
+from qexp.quant.calibrate import quantize
+from qexp.models.static_llama import StaticLlama, window_logits
 from qexp.timing import StageTimer
 
 CONTEXT = 64
@@ -27,7 +27,7 @@ def deployed(tiny_model, corpus, compose, cache_dir):
     cfg = compose(TINY + ["quant=16a8w", "backend=htp", "backend.model_mode=hybrid", "backend.prefill_ar_len=16"])
     static = StaticLlama(tiny_model, CONTEXT)
     calibration = build_calibration(cfg.calibration, corpus, tiny_model.tokenizer, True, CONTEXT)
-    qdq = quantize(static, cfg.quant, cfg.observer, calibration, Cache(cache_dir), key="htp-tests")
+    qdq = quantize(static, cfg.quant, cfg.observer, calibration, Cache(cache_dir), key="htp-tests", soc="SM8650")
     program = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(cache_dir), StageTimer(), library_versions())
     windows = make_windows(corpus.joined("test"), tiny_model.tokenizer, CONTEXT, 2, True)
     return cfg, static, qdq, program, HtpRunner(program), windows
@@ -92,7 +92,7 @@ def test_compile_is_cached(deployed, tiny_model, cache_dir):
 
 
 def test_missing_qnn_libraries(monkeypatch, tmp_path):
-    import qexp.qnn_sdk as sdk
+    import qexp.backends.htp.qnn_sdk as sdk
 
     monkeypatch.setattr(sdk, "_loaded", None)
     monkeypatch.setenv("QNN_SDK_ROOT", str(tmp_path))
@@ -100,8 +100,9 @@ def test_missing_qnn_libraries(monkeypatch, tmp_path):
         sdk.ensure_qnn_sdk(Cache(tmp_path))
 
 
-HTP_RUN = TINY + ["quant=16a8w", "backend=htp", "backend.prefill_ar_len=16", "eval.htp_tokens=64",
-                  "eval.htp_kv_tokens=12", "bench.prompt_len=16", "bench.new_tokens=4", "bench.repeats=2"]
+HTP_RUN = TINY + ["quant=16a8w", "backend=htp", "backend.prefill_ar_len=16", "backend.eval_tokens=64",
+                  "backend.eval_kv_tokens=12", "backend.bench.prompt_len=16", "backend.bench.new_tokens=4",
+                  "backend.bench.repeats=2"]
 
 
 @pytest.mark.parametrize("mode,path", [("hybrid", "prefill"), ("kv", "kv")])
@@ -110,19 +111,20 @@ def test_three_phases_in_one_run(compose, store_uri, mode, path):
 
     from qexp.pipeline import run_experiment
 
-    result = run_experiment(compose(HTP_RUN + [f"backend.model_mode={mode}", "kv=shift_pointer"]))
+    result = run_experiment(compose(HTP_RUN + [f"backend.model_mode={mode}", "backend.kv_update=shift_pointer"]))
     run = MlflowClient(store_uri).get_run(result.run_id)
     m, tags = run.data.metrics, run.data.tags
     assert run.info.status == "FINISHED" and tags["phases"] == "fp,qdq,htp"
-    assert tags["target"] == "x86_emulator" and tags["htp_eval_path"] == path and tags["htp_eval_path_reason"]
+    assert tags["target"] == "x86_emulator" and tags["deployed_eval_path"] == path and tags["deployed_eval_path_reason"]
     assert tags["version.qnn_libs"].startswith("onnxruntime-qnn 2.5.0")
-    assert tags["kv_update"] == "shift_pointer"
-    for name in ("ppl_htp", "word_ppl_htp", "bits_per_byte_htp", "ppl_fp_sub", "ppl_qdq_sub", "ppl_htp_vs_qdq",
-                 "top1_agreement_htp_vs_qdq", "ttft_ms", "prefill_tok_s", "decode_tok_s", "pte_bytes",
-                 "time_compile_s", "time_eval_htp_s", "kv_update_bytes_per_token"):
+    assert run.data.params["backend.kv_update"] == "shift_pointer" and tags["deployed_phase"] == "htp"
+    for name in ("ppl_deployed", "word_ppl_deployed", "bits_per_byte_deployed", "ppl_fp_sub", "ppl_qdq_sub",
+                 "ppl_deployed_vs_qdq", "ppl_deployed_vs_fp", "top1_agreement_deployed_vs_qdq", "ttft_ms",
+                 "prefill_tok_s", "decode_tok_s", "pte_bytes", "time_compile_s", "time_eval_deployed_s",
+                 "kv_update_bytes_per_token"):
         assert name in m, name
-    assert abs(m["ppl_htp_vs_qdq"]) < 0.02 and m["top1_agreement_htp_vs_qdq"] > 0.9
-    assert m["htp_eval_tokens"] == (63 if path == "prefill" else 11)
+    assert abs(m["ppl_deployed_vs_qdq"]) < 0.02 and m["top1_agreement_deployed_vs_qdq"] > 0.9
+    assert m["deployed_eval_tokens"] == (63 if path == "prefill" else 11)
 
 
 def test_unknown_soc_lists_valid(compose):
@@ -150,13 +152,13 @@ def test_r3_rotation_kept_as_matmul_deploys(compose, store_uri):
     from qexp.pipeline import run_experiment
 
     result = run_experiment(compose(HTP_RUN + ["model.r3=true", "model.recompose_hadamard=false"]))
-    assert abs(result.metrics["ppl_htp_vs_qdq"]) < 0.02
+    assert abs(result.metrics["ppl_deployed_vs_qdq"]) < 0.02
 
 
 @pytest.mark.parametrize("scheme", ["8a8w", "16a8w"])
 def test_r3_as_hadamard_transform_is_refused_clearly(compose, scheme):
-    """R3 recomposed into QNN's HadamardTransform: HTP cannot build it in the prefill graph (FIELD-NOTES), rejects it
-    at 8 bits, and its graphs differ between AR lengths. One clear error naming the fix, before any work."""
+    """R3 recomposed into QNN's HadamardTransform: HTP cannot build it in the prefill graph (`could not create op`),
+    rejects it at 8 bits, and its graphs differ between AR lengths. One clear error naming the fix, before any work."""
     from qexp.errors import ConfigError
     from qexp.pipeline import validate
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY
+from helpers import TINY
 from qexp.cache import Cache
 from qexp.errors import InputError
-from qexp.load import load_model
-from qexp.static_model import StaticLlama, window_logits
+from qexp.models.sources import load_model
+from qexp.models.static_llama import StaticLlama, window_logits
 
 
 def test_tiny_model_is_deterministic(tiny_model, compose, tmp_path):
@@ -143,7 +143,7 @@ def test_tiktoken_tokenizer_file(tmp_path):
     """Llama-3 style tokenizer.model (tiktoken BPE ranks): special tokens in text become special ids."""
     import base64
 
-    from qexp.tokenizer import Tokenizer
+    from qexp.models.tokenizer import Tokenizer
 
     ranks = tmp_path / "tokenizer.model"
     ranks.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))

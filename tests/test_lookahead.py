@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY
-from qexp.lookahead import LookaheadLayout, NgramPool, lookahead_decode
-from qexp.static_model import StaticLlama
+from helpers import TINY
+from qexp.backends.htp.lookahead import LookaheadLayout, NgramPool, lookahead_decode
+from qexp.models.static_llama import StaticLlama
 
 CONTEXT = 64
 PADDING = -255.0  # the static llama's masked-logit value
@@ -90,8 +90,9 @@ def test_lookahead_is_lossless_in_float(tiny_model, corpus):
 
 
 HTP_LOOKAHEAD = TINY + ["quant=16a8w", "backend=htp", "backend.model_mode=lookahead", "backend.prefill_ar_len=16",
-                        "backend.ngram=3", "backend.window=3", "backend.gcap=3", "eval.htp_tokens=32",
-                        "bench.prompt_len=16", "bench.new_tokens=24", "bench.warmup=0", "bench.repeats=1"]
+                        "backend.ngram=3", "backend.window=3", "backend.gcap=3", "backend.eval_tokens=32",
+                        "backend.bench.prompt_len=16", "backend.bench.new_tokens=24", "backend.bench.warmup=0",
+                        "backend.bench.repeats=1"]
 
 
 @pytest.mark.parametrize("updater", ["smart_mask", "shift_pointer"])
@@ -100,22 +101,23 @@ def test_lookahead_on_htp_is_lossless(compose, store_uri, updater):
 
     from qexp.pipeline import run_experiment
 
-    result = run_experiment(compose(HTP_LOOKAHEAD + [f"kv={updater}"]))
+    result = run_experiment(compose(HTP_LOOKAHEAD + [f"backend.kv_update={updater}"]))
     run = MlflowClient(store_uri).get_run(result.run_id)
     m, tags = run.data.metrics, run.data.tags
-    assert run.info.status == "FINISHED" and tags["decoder"] == "lookahead" and tags["htp_model_mode"] == "lookahead"
+    assert run.info.status == "FINISHED" and tags["decoder"] == "lookahead"
+    assert run.data.params["backend.model_mode"] == "lookahead"
     assert m["lookahead_matches_greedy"] == 1.0 and m["lookahead_greedy_prefix_tokens"] == 24
     assert m["lookahead_tokens_per_step"] > 1.0  # verified n-grams were accepted on HTP too
     for name in ("decode_tok_s", "decode_tok_s_greedy", "lookahead_decode_speedup", "lookahead_steps",
-                 "kv_update_bytes_per_token", "ppl_htp"):
+                 "kv_update_bytes_per_token", "ppl_deployed"):
         assert name in m, name
-    assert tags["htp_eval_path"] == "prefill"
+    assert tags["deployed_eval_path"] == "prefill"
 
 
 @pytest.mark.parametrize("override,match", [
     ("backend.ngram=1", "ngram >= 2"),
     ("backend.window=20", "AR-64"),
-    ("bench.new_tokens=40", "does not fit"),
+    ("backend.bench.new_tokens=40", "does not fit"),
 ])
 def test_bad_lookahead_configs(compose, override, match):
     from qexp.errors import ConfigError

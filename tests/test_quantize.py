@@ -6,13 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY
+from helpers import TINY
 from qexp.cache import Cache
-from qexp.calibration import build_calibration
+from qexp.data.calibration import build_calibration
 from qexp.config import SCHEMES
-from qexp.evaluate import evaluate, make_windows, sqnr_db
-from qexp.quantize import encodings_table, quantize
-from qexp.static_model import StaticLlama, window_logits
+from qexp.data.windows import make_windows
+from qexp.eval.compare import sqnr_db
+from qexp.eval.perplexity import evaluate
+from qexp.quant.calibrate import quantize
+from qexp.quant.encodings import encodings_table
+from qexp.models.static_llama import StaticLlama, window_logits
 
 CONTEXT = 64
 
@@ -30,9 +33,8 @@ def setup(tiny_model, corpus, compose):
 def _quantize(setup, compose, tmp_path, overrides):
     static, calibration, windows, fp = setup
     cfg = compose(TINY + overrides)
-    result = quantize(static, cfg.quant, cfg.observer, calibration, Cache(tmp_path), key="k")
-    qdq = evaluate(lambda ids: window_logits(result.module, static, ids), windows, "qdq", reference=fp,
-                   keep_logits=2)
+    result = quantize(static, cfg.quant, cfg.observer, calibration, Cache(tmp_path), key="k", soc="SM8650")
+    qdq = evaluate(lambda ids: window_logits(result.module, static, ids), windows, "qdq", keep_logits=2)
     return result, qdq, encodings_table(result.module)
 
 
@@ -114,8 +116,8 @@ def test_block_size_is_configurable(setup, compose, tmp_path):
 def test_converted_program_is_cached(setup, compose, tmp_path):
     static, calibration, windows, fp = setup
     cfg = compose(TINY + ["quant=8a8w"])
-    first = quantize(static, cfg.quant, cfg.observer, calibration, Cache(tmp_path), key="same")
-    second = quantize(static, cfg.quant, cfg.observer, calibration, Cache(tmp_path), key="same")
+    first = quantize(static, cfg.quant, cfg.observer, calibration, Cache(tmp_path), key="same", soc="SM8650")
+    second = quantize(static, cfg.quant, cfg.observer, calibration, Cache(tmp_path), key="same", soc="SM8650")
     assert not first.cache_hit and second.cache_hit and first.program_path.exists()
     observers = torch.load(first.program_path.parent / "observers.pt", weights_only=True)
     assert sum("min_val" in o["state"] for o in observers.values()) > 50

@@ -8,7 +8,7 @@ import pytest
 from qexp.cache import Cache
 from qexp.config import TextConfig
 from qexp.errors import InputError
-from qexp.text import GENSIM_EXCERPT, WIKITEXT2, load_corpus
+from qexp.data.text import GENSIM_EXCERPT, WIKITEXT2, load_corpus
 
 
 def test_gensim_fallback_split_by_article(corpus):

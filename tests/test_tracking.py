@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import TINY
+from helpers import TINY
 from qexp.errors import TrackingError
 from qexp.pipeline import run_experiment
 
 EXPECTED_METRICS = {
     "ppl_fp", "ppl_qdq", "word_ppl_fp", "word_ppl_qdq", "bits_per_byte_fp", "bits_per_byte_qdq",
-    "byte_ppl_fp", "byte_ppl_qdq", "ppl_qdq_vs_fp", "top1_agreement_qdq_vs_fp", "logits_sqnr_db_qdq",
+    "byte_ppl_fp", "byte_ppl_qdq", "ppl_qdq_vs_fp", "top1_agreement_qdq_vs_fp", "logits_sqnr_db_qdq_vs_fp",
     "time_load_s", "time_text_s", "time_eval_fp_s", "time_quantize_s", "time_eval_qdq_s", "time_total_s",
     "peak_rss_mb", "model_params", "calibration_tokens",
 }

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import TINY
+from helpers import TINY
 
-XNN = TINY + ["quant=fp32", "backend=xnnpack", "bench.new_tokens=8", "bench.repeats=3", "bench.warmup=1"]
+XNN = TINY + ["quant=fp32", "backend=xnnpack", "backend.bench.new_tokens=8", "backend.bench.repeats=3",
+              "backend.bench.warmup=1"]
 
 
 def _run(compose, overrides):
@@ -73,7 +74,7 @@ def test_qnn_scheme_with_xnnpack_rejected(compose):
 
 # ---------------------------------------------------------------- the harness itself
 def test_speed_statistics_on_synthetic_workload():
-    from qexp.speed import Generation, measure
+    from qexp.backends.speed import Generation, measure
 
     calls = []
 
@@ -95,7 +96,7 @@ def test_speed_statistics_on_synthetic_workload():
 
 
 def test_speed_statistics_exact():
-    from qexp.speed import Generation, summarize
+    from qexp.backends.speed import Generation, summarize
 
     runs = [Generation([0, 1, 2], t, t, 2 * t, 4) for t in (0.1, 0.2, 0.3, 0.4, 0.5)]
     m = summarize(runs)
@@ -103,13 +104,13 @@ def test_speed_statistics_exact():
     assert m["prefill_tok_s"] == pytest.approx(4 / 0.3)
     assert m["decode_tok_s"] == pytest.approx(2 / 0.6) and m["decode_ms_per_token"] == pytest.approx(300)
     with pytest.raises(ValueError):
-        from qexp.speed import measure
+        from qexp.backends.speed import measure
 
         measure(lambda: runs[0], warmup=0, repeats=0)
 
 
 def test_roofline_bytes_per_token():
-    from qexp.xnnpack import decode_bytes_per_token
+    from qexp.backends.xnnpack.roofline import decode_bytes_per_token
 
     params = {"dim": 64, "vocab_size": 1000, "n_heads": 4, "n_kv_heads": 2, "n_layers": 2}
     table = 1000 * 64 * 4

@@ -1,0 +1,104 @@
+"""The backend seam: what a deployment backend is, what the pipeline hands it and what it returns.
+
+A backend takes the calibrated model to a program for its target (HTP through QNN, XNNPACK on the CPU, ...), runs
+it, and returns the deployed program's log-likelihoods on (a subset of) the evaluation windows plus its own
+metrics (speed, sizes), tags and text artifacts. The pipeline scores those log-likelihoods against the FP and QDQ
+phases itself (qexp/eval/compare.py), so every backend's perplexities are named and compared the same way.
+
+To add a backend: a config dataclass (subclass of BackendConfig, the schema of conf/backend/<name>.yaml), a
+Backend subclass with `name`, `config_class`, `validate` and `run`, decorated with `@register_backend`, imported in
+qexp/backends/__init__.py. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Dict, Optional
+
+if TYPE_CHECKING:  # typing only: this module stays import-light (the config schema imports it)
+    from omegaconf import DictConfig
+
+    from qexp.cache import Cache
+    from qexp.data.windows import Windows
+    from qexp.eval.perplexity import EvalResult
+    from qexp.models.loaded import LoadedModel
+    from qexp.models.static_llama import StaticLlama
+    from qexp.quant.calibrate import QuantizedModel
+    from qexp.timing import StageTimer
+
+# The SoC QnnQuantizer annotates for when no backend names one (a QDQ-only run).
+DEFAULT_SOC = "SM8650"
+
+
+@dataclass
+class BackendConfig:
+    """Fields every backend config has; each backend subclasses it with its own settings."""
+
+    name: str = "none"
+
+
+@dataclass
+class BenchConfig:
+    """Speed measurement of a deployed program: TTFT, prefill and decode tokens/s (median after warm-up)."""
+
+    prompt_len: int = 32
+    new_tokens: int = 4
+    warmup: int = 1
+    repeats: int = 2
+
+
+@dataclass
+class QdqPhase:
+    """The calibrated program and its evaluation, when the run quantizes."""
+
+    program: "QuantizedModel"
+    result: "EvalResult"
+    static: "StaticLlama"  # the static llama the program was exported from (transformed model)
+
+
+@dataclass
+class PhaseInputs:
+    """What the pipeline hands a backend."""
+
+    cfg: "DictConfig"
+    model: "LoadedModel"  # the float model with every transform applied: what must be deployed
+    windows: "Windows"
+    fp: "EvalResult"  # the untransformed float model on all windows (the reference)
+    qdq: Optional[QdqPhase]
+    cache: "Cache"
+    timer: "StageTimer"
+    versions: Dict[str, str]
+
+
+@dataclass
+class PhaseResult:
+    """What a backend returns. `deployed` holds the program's log-likelihoods on `deployed.windows` (a head of the
+    run's windows: the pipeline scores FP and QDQ on exactly those); its full logits, when kept, give logits SQNR."""
+
+    deployed: Optional["EvalResult"] = None
+    metrics: Dict[str, float] = field(default_factory=dict)
+    tags: Dict[str, str] = field(default_factory=dict)
+    texts: Dict[str, str] = field(default_factory=dict)  # artifact path -> content
+
+
+class Backend:
+    """One deployment backend. Subclasses set `name` and `config_class` and implement `validate` and `run`."""
+
+    name: ClassVar[str]
+    config_class: ClassVar[type] = BackendConfig
+    deploys: ClassVar[bool] = True  # False only for `none`: the run stops after the CPU phases
+
+    def validate(self, cfg: "DictConfig") -> None:
+        """Reject a config this backend cannot run, before any model is loaded (raise ConfigError)."""
+
+    def quantizer_soc(self, cfg: "DictConfig") -> str:
+        """The SoC QnnQuantizer annotates the calibration graph for."""
+        return DEFAULT_SOC
+
+    def scheme(self, cfg: "DictConfig") -> str:
+        """What the deployed model is quantized with (the report's `scheme`): the QNN recipe unless the backend
+        quantizes by its own settings."""
+        return str(cfg.quant.name)
+
+    def run(self, inputs: PhaseInputs) -> PhaseResult:
+        raise NotImplementedError

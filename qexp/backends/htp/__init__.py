@@ -1,0 +1,66 @@
+"""HTP backend (Qualcomm Hexagon NPU): compile the calibrated model for a SoC, run it on the x86 emulator or a
+phone, score it on-target and time it. Modules: config (settings), lower (graphs -> .pte), runner (the .pte through
+the pybindings), kv_cache (the two KV updaters), lookahead (decoding), android (adb), qnn_sdk (QNN libraries),
+phase (the phase the pipeline runs)."""
+
+from __future__ import annotations
+
+from qexp.backends.base import Backend, PhaseInputs, PhaseResult
+from qexp.backends.htp.config import HtpConfig, ModelMode
+from qexp.backends.registry import register_backend
+from qexp.errors import ConfigError
+
+
+@register_backend
+class HtpBackend(Backend):
+    name = "htp"
+    config_class = HtpConfig
+
+    def quantizer_soc(self, cfg) -> str:
+        return cfg.backend.soc.value
+
+    def validate(self, cfg) -> None:
+        from qexp.backends.htp.lower import KV_GRAPH, graph_ar_lens
+        from qexp.models.static_llama import uses_r3
+
+        backend, bench = cfg.backend, cfg.backend.bench
+        if cfg.quant.scheme == "fp32":
+            raise ConfigError("backend=htp needs a quantized scheme, not quant=fp32", "choose e.g. quant=16a8w")
+        if backend.max_seq_len != cfg.export.max_context_len:
+            raise ConfigError(
+                f"backend.max_seq_len={backend.max_seq_len} differs from export.max_context_len="
+                f"{cfg.export.max_context_len}, the context the model was calibrated for",
+                "set both to the same value (backend.max_seq_len defaults to export.max_context_len)",
+            )
+        if not 1 <= backend.prefill_ar_len < backend.max_seq_len:
+            raise ConfigError(f"backend.prefill_ar_len={backend.prefill_ar_len}",
+                              "use 1 <= prefill_ar_len < max_seq_len")
+        if uses_r3(cfg.model) and cfg.model.recompose_hadamard:
+            # QNN 2.49's HTP cannot build the rotation's HadamardTransform op in an AR-N graph (`could not create op:
+            # q::ConvLayer_s1.opt`), rejects it below 16-bit activations, and the recomposition differs between AR
+            # lengths, so the calibration could not be carried over to the deploy graphs either.
+            raise ConfigError(
+                "backend=htp with the R3 rotation lowered as QNN's HadamardTransform does not build with these QNN "
+                "libraries",
+                "set model.recompose_hadamard=false (the rotation stays a matmul: same weights, same math)",
+            )
+        decode_ar = graph_ar_lens(backend)[KV_GRAPH]
+        if backend.model_mode == ModelMode.lookahead:
+            if backend.ngram < 2 or backend.window < 1 or backend.gcap < 1:
+                raise ConfigError(f"backend.ngram={backend.ngram}, window={backend.window}, gcap={backend.gcap}",
+                                  "lookahead needs ngram >= 2, window >= 1, gcap >= 1")
+            if decode_ar >= backend.max_seq_len:
+                raise ConfigError(
+                    f"lookahead's decode graph needs AR-{decode_ar} (next power of two of (window + gcap) * "
+                    f"(ngram - 1)), not less than max_seq_len={backend.max_seq_len}", "lower window/gcap/ngram")
+        spare = backend.ngram if backend.model_mode == ModelMode.lookahead else 0  # a lookahead step may accept ngram
+        if bench.prompt_len + bench.new_tokens + spare > backend.max_seq_len - decode_ar:
+            raise ConfigError(
+                f"backend.bench.prompt_len + new_tokens ({bench.prompt_len} + {bench.new_tokens}) does not fit the "
+                f"decode graph's cache ({backend.max_seq_len - decode_ar} slots{' minus ngram' if spare else ''})",
+                "shorten them")
+
+    def run(self, inputs: PhaseInputs) -> PhaseResult:
+        from qexp.backends.htp.phase import run_phase
+
+        return run_phase(inputs)

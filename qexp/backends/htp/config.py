@@ -1,0 +1,68 @@
+"""Settings of the HTP backend (conf/backend/htp.yaml): SoC, model mode, graph shapes, KV updater, on-target
+evaluation budget, speed bench, and the Android target."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+from qexp.backends.base import BackendConfig, BenchConfig
+
+
+class Soc(enum.Enum):
+    """Snapdragon SoCs with a Hexagon NPU (QcomChipset names)."""
+
+    SM8550 = "SM8550"  # Snapdragon 8 Gen 2
+    SM8650 = "SM8650"  # Snapdragon 8 Gen 3
+    SM8750 = "SM8750"  # Snapdragon 8 Elite
+
+
+class ModelMode(enum.Enum):
+    kv = "kv"  # one kv_forward graph (AR-1): prompt and decode token by token
+    hybrid = "hybrid"  # prefill_forward (AR-N) for the prompt, then kv_forward
+    lookahead = "lookahead"  # AR-N prompt processing + lookahead decoding (lossless)
+
+
+class Target(enum.Enum):
+    x86_emulator = "x86_emulator"  # HTP emulated on this host by the x86_64 QNN libraries: timings are NOT phone timings
+    android = "android"  # a phone over adb with a user-built qnn_llama_runner
+
+
+class KvUpdate(enum.Enum):
+    smart_mask = "smart_mask"  # write each new token's K/V at its position and unmask it (what upstream ships)
+    shift_pointer = "shift_pointer"  # slide the cache window by advancing its start pointer
+
+
+@dataclass
+class HtpBenchConfig(BenchConfig):
+    # Sized for the x86 HTP emulator, where one SmolLM2 graph call takes ~5 s.
+    prompt_len: int = 32
+    new_tokens: int = 4
+    warmup: int = 1
+    repeats: int = 2
+
+
+@dataclass
+class HtpConfig(BackendConfig):
+    name: str = "htp"
+    soc: Soc = Soc.SM8650
+    model_mode: ModelMode = ModelMode.hybrid
+    prefill_ar_len: int = 32  # tokens per prefill_forward call (hybrid / lookahead, and on-target perplexity)
+    max_seq_len: int = 256  # context of the deployed graphs; must equal export.max_context_len (the calibration)
+    kv_update: KvUpdate = KvUpdate.smart_mask
+    target: Target = Target.x86_emulator
+    pte_path: Optional[str] = None  # run this pre-generated .pte instead of compiling
+    # On-target perplexity is scored on a head of the evaluation windows: this many tokens through the AR-N prefill
+    # graph (whole windows first), or eval_kv_tokens token by token when the mode has only the kv graph.
+    eval_tokens: int = 256
+    eval_kv_tokens: int = 32
+    # model_mode=lookahead: n-gram size, Jacobi window and verification candidates per decode call
+    ngram: int = 3
+    window: int = 2
+    gcap: int = 2
+    bench: HtpBenchConfig = field(default_factory=HtpBenchConfig)
+    # target=android (a phone over adb; not verifiable on this machine)
+    serial: Optional[str] = None  # adb serial (null = the only attached device)
+    runner: Optional[str] = None  # a user-built qnn_llama_runner (ExecuTorch Qualcomm backend, Android)
+    qnn_lib_dir: Optional[str] = None  # the device's QNN libraries (libQnnHtp.so, libQnnHtpV*Stub.so, skels, ...)

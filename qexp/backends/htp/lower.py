@@ -1,0 +1,214 @@
+"""Lower stage: the calibrated model -> the static-llama graphs the runner needs -> one HTP-delegated .pte.
+
+Graphs: `kv_forward` (AR-1, or the lookahead width) and, for hybrid/lookahead, `prefill_forward` (AR-N). Each is
+the same static llama as the calibration graph with another AR length. It is exported the same way, prepared with
+the same quantizer, and given the calibration graph's observer statistics (cached with the QDQ program) before
+convert_pt2e: so it carries exactly the encodings the QDQ phase evaluated, without calibrating again. The cache
+inputs take the encodings of the matching cache outputs (the runner writes outputs back into inputs unchanged).
+
+Upstream's HybridTextDecoder._encoding_override does this by walking both graphs in parallel; with torch 2.13's
+exported modules (a `_guards_fn` node, non-strict placeholder names) its checks fail, so qexp transfers observer
+state instead, which needs no node matching beyond the observers' own (identical) names.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict
+
+import torch
+
+from qexp.backends.htp.config import ModelMode
+from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
+from qexp.cache import Cache, stable_hash
+from qexp.errors import ConfigError
+from qexp.models.loaded import LoadedModel
+from qexp.models.static_llama import StaticLlama
+from qexp.quant.calibrate import EXPORT_STRICT, OBSERVERS, QuantizedModel, observer_statistics
+from qexp.quant.recipe import make_quantizer
+from qexp.timing import StageTimer
+from qexp.upstream.private import executorch_backend_config, quant_io_passes, tree_leaves
+
+log = logging.getLogger("qexp")
+
+KV_GRAPH = "kv_forward"
+PREFILL_GRAPH = "prefill_forward"
+PTE_FILE = "model.pte"
+META_FILE = "meta.json"
+_LOWER_CACHE_VERSION = 1
+
+
+def graph_ar_lens(backend) -> Dict[str, int]:
+    """AR length of each graph for a model mode (as upstream's process_model_args)."""
+    if backend.model_mode == ModelMode.kv:
+        return {KV_GRAPH: 1}
+    if backend.model_mode == ModelMode.hybrid:
+        return {KV_GRAPH: 1, PREFILL_GRAPH: int(backend.prefill_ar_len)}
+    width = (backend.window + backend.gcap) * (backend.ngram - 1)
+    return {KV_GRAPH: 2 ** math.ceil(math.log2(max(width, 1))), PREFILL_GRAPH: int(backend.prefill_ar_len)}
+
+
+def kv_io_bits(quant) -> int:
+    """Bit width of the KV cache I/O, as upstream's StaticLLMQuantRecipe.get_kv_io_bit_width decides it."""
+    return 8 if quant.scheme == "8a8w" or "annotate_kv_8bit" in list(quant.custom_annotations) else 16
+
+
+@dataclass
+class DeployedProgram:
+    pte_path: Path
+    meta: dict  # graphs, AR lengths, layer/head shapes, logits and KV I/O encodings
+    key: str
+    cache_hit: bool
+
+    @property
+    def pte_bytes(self) -> int:
+        return self.pte_path.stat().st_size
+
+
+def quantized_graph(
+    model: LoadedModel, context: int, ar_len: int, r3: bool, quant, observer, stats: dict, recompose_hadamard: bool,
+    soc: str,
+):
+    """The static llama for `ar_len`, quantized with the calibration graph's observer statistics."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    static = StaticLlama(model, context, r3=r3, ar_len=ar_len)
+    example = static.example_inputs()
+    with torch.no_grad():
+        graph = torch.export.export(static.module, example, strict=EXPORT_STRICT).module()
+        prepared = prepare_pt2e(graph, make_quantizer(quant, observer, soc, recompose_hadamard))
+    own = observer_statistics(prepared)
+    if [(k, v["observes"]) for k, v in own.items()] != [(k, v["observes"]) for k, v in stats.items()]:
+        # Seen with R3 + RecomposeHadamard: the rotation is recomposed into HadamardTransform in some AR lengths only.
+        hint = "set model.recompose_hadamard=false" if r3 and recompose_hadamard else "report this model/config"
+        raise ConfigError(
+            f"the AR-{ar_len} graph does not have the calibration graph's observers ({len(own)} vs {len(stats)}), "
+            "so its encodings cannot be transferred",
+            hint,
+        )
+    names = own.keys()
+    for name in names:
+        getattr(prepared, name).load_state_dict(stats[name]["state"])
+    _tie_cache_inputs_to_outputs(prepared, static.n_layers)
+    with torch.no_grad():
+        return convert_pt2e(prepared), static
+
+
+def _tie_cache_inputs_to_outputs(prepared: torch.fx.GraphModule, n_layers: int) -> None:
+    placeholders = [n for n in prepared.graph.nodes if n.op == "placeholder"]
+    cache_inputs = placeholders[-2 * n_layers :]  # k caches then v caches, as the forward signature
+    output = next(n for n in prepared.graph.nodes if n.op == "output")
+    outputs = tree_leaves(output.args[0])  # logits, k outputs, v outputs
+    for index, placeholder in enumerate(cache_inputs):
+        observer_node = next(
+            u for u in placeholder.users if u.op == "call_module" and u.target.startswith("activation_post_process")
+        )  # not torch's _guards_fn, also a call_module user of the inputs
+        produced = outputs[1 + index]
+        getattr(prepared, observer_node.target).load_state_dict(getattr(prepared, produced.target).state_dict())
+
+
+def io_encodings(converted: torch.fx.GraphModule, n_layers: int) -> dict:
+    """Scale/zero point of the logits output and of every cache input (what the runner quantizes/dequantizes)."""
+    placeholders = [n for n in converted.graph.nodes if n.op == "placeholder"]
+
+    def input_qparams(node):
+        q = next(u for u in node.users if "quantize_per_tensor" in str(u.target))
+        return [float(q.args[1]), int(q.args[2])]
+
+    output = next(n for n in converted.graph.nodes if n.op == "output")
+    logits = tree_leaves(output.args[0])[0]
+    return {
+        "logits": [float(logits.args[1]), int(logits.args[2])],
+        "mask": input_qparams(placeholders[1]),
+        "k": [input_qparams(n) for n in placeholders[-2 * n_layers : -n_layers]],
+        "v": [input_qparams(n) for n in placeholders[-n_layers:]],
+    }
+
+
+def compile_pte(
+    model: LoadedModel, cfg, qdq: QuantizedModel, r3: bool, cache: Cache, timer: StageTimer, versions: dict
+) -> DeployedProgram:
+    """The graphs the model mode needs, quantized with the calibration's encodings, lowered into one .pte (cached)."""
+    sdk = ensure_qnn_sdk(cache)
+    backend = cfg.backend
+    context = int(backend.max_seq_len)
+    ar_lens = graph_ar_lens(backend)
+    key = stable_hash({
+        "version": _LOWER_CACHE_VERSION, "qdq": qdq.key, "soc": backend.soc.value, "ar_lens": ar_lens,
+        "context": context, "qnn": sdk.version, "versions": versions,
+    }, length=24)
+
+    def build(tmp: Path) -> dict:
+        stats = torch.load(qdq.program_path.parent / OBSERVERS, weights_only=True)
+        graphs = {name: _deploy_graph(model, cfg, name, ar_len, r3, stats, timer) for name, ar_len in ar_lens.items()}
+        first = next(iter(graphs.values()))
+        constant_methods = {k: v for k, v in first["meta"].items() if k != "get_ar_len"}
+        constant_methods["get_logits_scale"], constant_methods["get_logits_zero_point"] = first["encodings"]["logits"]
+        buffer, delegation = _lower(graphs, constant_methods, timer)
+        (tmp / PTE_FILE).write_bytes(buffer)
+        meta = {
+            "graphs": ar_lens, "context": context, "n_layers": model.params["n_layers"],
+            "kv_bits": kv_io_bits(cfg.quant),
+            "encodings": {name: g["encodings"] for name, g in graphs.items()}, "delegation": delegation,
+            "soc": backend.soc.value, "qnn": sdk.version, "qdq_key": qdq.key,
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+        return {"pte_bytes": len(buffer)}
+
+    path, hit = cache.get_or_build("pte", key, build)
+    log.info("HTP program %s (%s)", path / PTE_FILE, "cache hit" if hit else "compiled")
+    return DeployedProgram(path / PTE_FILE, json.loads((path / META_FILE).read_text()), key, hit)
+
+
+def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, stats: dict, timer: StageTimer) -> dict:
+    """One graph (kv_forward / prefill_forward): quantized with the calibration's encodings, with its lowering
+    passes (upstream's I/O tagging) and compiler spec."""
+    from executorch.backends.qualcomm.utils.utils import (
+        generate_htp_compiler_spec,
+        generate_qnn_executorch_compiler_spec,
+    )
+
+    from qexp import upstream
+
+    backend = cfg.backend
+    context = int(backend.max_seq_len)
+    with timer.stage(f"quantize_{name}"):
+        converted, static = quantized_graph(
+            model, context, ar_len, r3, cfg.quant, cfg.observer, stats, cfg.model.recompose_hadamard, backend.soc.value
+        )
+    meta = static.module.get_metadata()
+    kv_type = torch.uint8 if kv_io_bits(cfg.quant) == 8 else torch.uint16
+    passes, deps = quant_io_passes(meta, cfg.model.arch, ar_len, context, kv_type)
+    spec = generate_qnn_executorch_compiler_spec(
+        soc_model=getattr(upstream.QcomChipset, backend.soc.value),
+        backend_options=generate_htp_compiler_spec(use_fp16=False, use_weight_sharing=False),
+        shared_buffer=False,  # the x86 emulator supports neither shared buffers nor weight sharing
+        use_mha2sha=True,
+    )
+    return {"module": converted, "inputs": static.example_inputs(), "passes": passes, "deps": deps, "spec": spec,
+            "meta": meta, "encodings": io_encodings(converted, static.n_layers)}
+
+
+def _lower(graphs: dict, constant_methods: dict, timer: StageTimer):
+    """All graphs into one HTP-delegated program -> (.pte bytes, delegated / non-delegated node counts per graph)."""
+    from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
+    from executorch.devtools.backend_debug import get_delegation_info
+
+    with timer.stage("lower"):
+        edge = to_edge_transform_and_lower_to_qnn(
+            module={n: g["module"] for n, g in graphs.items()}, inputs={n: g["inputs"] for n, g in graphs.items()},
+            compiler_specs={n: g["spec"] for n, g in graphs.items()}, constant_methods=constant_methods,
+            dep_table={n: g["deps"] for n, g in graphs.items()}, passes_job={n: g["passes"] for n, g in graphs.items()},
+            skip_node_op_set={"llama.fallback.default"},
+        )
+    delegation = {}
+    for name in graphs:
+        info = get_delegation_info(edge.exported_program(name).graph_module)
+        delegation[name] = {"delegated": info.num_delegated_nodes, "non_delegated": info.num_non_delegated_nodes}
+    with timer.stage("to_executorch"):
+        program = edge.to_executorch(executorch_backend_config())
+    return program.buffer, delegation

@@ -1,0 +1,125 @@
+"""The HTP phase: compile the calibrated model for a SoC (or load a compiled .pte), run it, score it on-target,
+time it.
+
+On this machine the target is the x86_64 HTP emulator: every timing is tagged target=x86_emulator and measures
+the emulator, not a phone. On-target perplexity uses a head of the evaluation windows (the emulator is slow); the
+pipeline scores FP and QDQ on exactly that head (`*_sub`), so the three are comparable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+from qexp.backends.base import PhaseInputs, PhaseResult
+from qexp.backends.htp.config import ModelMode, Target
+from qexp.backends.htp.lower import META_FILE, PREFILL_GRAPH, DeployedProgram, compile_pte
+from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
+from qexp.data.windows import Windows
+from qexp.errors import InputError
+from qexp.eval.perplexity import evaluate
+
+log = logging.getLogger("qexp")
+
+
+def load_program(path: str) -> DeployedProgram:
+    pte = Path(path).expanduser()
+    meta_path = pte.parent / META_FILE
+    if not pte.is_file():
+        raise InputError(f"backend.pte_path not found: {pte}", "pass a .pte that qexp compiled (its cache entry)")
+    if not meta_path.is_file():
+        raise InputError(
+            f"{meta_path.name} missing beside {pte}",
+            "qexp needs the I/O encodings it writes next to the .pte it compiles; pass such a .pte",
+        )
+    return DeployedProgram(pte, json.loads(meta_path.read_text()), key="pre-generated", cache_hit=True)
+
+
+def eval_subset(windows: Windows, tokens: int, tokenizer) -> Windows:
+    """Whole windows first; a budget below one window takes the first `tokens` tokens of window 0."""
+    if tokens >= windows.seq_len:
+        return windows.head(min(windows.n_windows, tokens // windows.seq_len), windows.seq_len, tokenizer)
+    return windows.head(1, max(tokens, 2), tokenizer)
+
+
+def run_phase(inputs: PhaseInputs, adb=None) -> PhaseResult:
+    cfg, timer = inputs.cfg, inputs.timer
+    backend = cfg.backend
+    device = None
+    if backend.target == Target.android:
+        from qexp.backends.htp.android import android_target
+
+        device = android_target(cfg, inputs.model, inputs.cache, adb)  # checked before the long compile
+    sdk = ensure_qnn_sdk(inputs.cache)
+    result = PhaseResult(tags={"target": backend.target.value, "version.qnn_libs": sdk.version})
+    with timer.stage("compile"):
+        if backend.pte_path:
+            program = load_program(backend.pte_path)
+        else:
+            program = compile_pte(inputs.model, cfg, inputs.qdq.program, inputs.qdq.static.r3, inputs.cache, timer,
+                                  inputs.versions)
+    result.tags.update({"pte_cache_key": program.key, "pte_cache_hit": str(program.cache_hit).lower()})
+    result.metrics["pte_bytes"] = program.pte_bytes
+    for graph, counts in program.meta["delegation"].items():
+        result.metrics[f"delegated_nodes_{graph}"] = counts["delegated"]
+        result.metrics[f"non_delegated_nodes_{graph}"] = counts["non_delegated"]
+    if device is not None:
+        from qexp.backends.htp.android import run_on_device
+
+        return run_on_device(inputs, program, device, result)
+    _evaluate_on_emulator(inputs, program, result)
+    return result
+
+
+def _evaluate_on_emulator(inputs: PhaseInputs, program: DeployedProgram, result: PhaseResult) -> None:
+    from qexp.backends.htp.runner import HtpRunner
+
+    backend = inputs.cfg.backend
+    runner = HtpRunner(program)
+    # ---- on-target perplexity, on a head of the windows that every phase scores identically
+    if PREFILL_GRAPH in program.meta["graphs"]:
+        ar = program.meta["graphs"][PREFILL_GRAPH]
+        path, reason, budget = "prefill", f"AR-{ar} prefill graph", backend.eval_tokens
+        logits_fn = runner.prefill_logits
+    else:
+        path, reason, budget = "kv", "model_mode=kv compiles no AR-N graph", backend.eval_kv_tokens
+        logits_fn = lambda ids: runner.kv_logits(ids, backend.kv_update.value)[0]  # noqa: E731
+    subset = eval_subset(inputs.windows, budget, inputs.model.tokenizer)
+    with inputs.timer.stage("eval_deployed"):
+        result.deployed = evaluate(logits_fn, subset, "HTP")
+    result.tags.update({"deployed_eval_path": path, "deployed_eval_path_reason": reason})
+    _bench(inputs, runner, result)
+
+
+def _bench(inputs: PhaseInputs, runner, result: PhaseResult) -> None:
+    """Speed, labelled with its target; in lookahead mode also whether decoding stayed lossless."""
+    from qexp.backends.htp.runner import lookahead_layout, measure_speed, verify_lookahead
+
+    backend, bench, timer = inputs.cfg.backend, inputs.cfg.backend.bench, inputs.timer
+    updater = backend.kv_update.value
+    prompt = [int(t) for t in inputs.windows.ids[0][: bench.prompt_len]]
+    lookahead = lookahead_layout(runner, backend) if backend.model_mode == ModelMode.lookahead else None
+    result.tags["decoder"] = "greedy" if lookahead is None else "lookahead"
+    with timer.stage("bench_deployed"):
+        speed, tokens = measure_speed(runner, prompt, bench.new_tokens, updater, bench.warmup, bench.repeats,
+                                      lookahead)
+    metrics = result.metrics
+    metrics.update({k: v for k, v in speed.items() if not (isinstance(v, float) and math.isnan(v))})
+    if lookahead is not None:  # lossless? the same prompt decoded greedily through the same graph, one token per call
+        with timer.stage("verify_lookahead"):
+            metrics.update(verify_lookahead(runner, prompt, tokens, updater))
+        metrics["lookahead_decode_speedup"] = metrics["decode_tok_s"] / metrics["decode_tok_s_greedy"]
+        log.info("lookahead decoding: %.2f tokens per call, %s greedy decoding's %d tokens (%.2fx its decode rate)",
+                 metrics["lookahead_tokens_per_step"],
+                 "the same as" if metrics["lookahead_matches_greedy"] else "DIFFERENT from", len(tokens),
+                 metrics["lookahead_decode_speedup"])
+        if not metrics["lookahead_matches_greedy"]:
+            # The algorithm is exact; on a quantized target the accepted rows see their keys in another order
+            # (in the block, not the cache), which can flip an argmax where two logits are within a rounding step.
+            log.warning("lookahead output diverges from greedy after %d tokens (on a quantized target most likely an "
+                        "argmax tie flipped by summation order; the float test shows the algorithm exact)",
+                        int(metrics["lookahead_greedy_prefix_tokens"]))
+    log.info("speed on %s (NOT phone speed when x86_emulator): TTFT %.0f ms, prefill %.2f tok/s, decode %.2f tok/s",
+             backend.target.value, speed["ttft_ms"], speed["prefill_tok_s"], speed["decode_tok_s"])

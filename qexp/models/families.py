@@ -1,0 +1,102 @@
+"""Model families: how a source checkpoint of one architecture becomes qexp's model (Meta layout + params).
+
+A family is looked up by the Hugging Face architecture name in a folder's config.json (GGUF files are read into
+such a folder first), so adding one is one `Family` entry here plus a conf/model/<preset>.yaml. Meta checkpoints
+are already in the common layout (family `llama`). An architecture no family serves gets one line naming the
+supported ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple
+
+import torch
+
+from qexp.errors import InputError
+
+StateDict = Dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    hf_architectures: Tuple[str, ...]  # config.json "architectures" values this family converts
+    params_from_hf_config: Callable[[dict], dict]  # HF config.json -> Meta params.json content
+    state_dict_from_hf: Callable[[StateDict, dict], StateDict]  # HF weights (+ params) -> Meta-layout weights
+
+
+FAMILIES: Dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    FAMILIES[family.name] = family
+    return family
+
+
+def family_for_architecture(architecture: str, where: str = "") -> Family:
+    for family in FAMILIES.values():
+        if architecture in family.hf_architectures:
+            return family
+    supported = sorted(a for f in FAMILIES.values() for a in f.hf_architectures)
+    raise InputError(f"{where + ': ' if where else ''}architecture {architecture} is not supported",
+                     f"qexp converts: {', '.join(supported)}")
+
+
+# ---------------------------------------------------------------- Llama (Llama 2/3.x, SmolLM2, ...)
+def llama_params(c: dict) -> dict:
+    n_heads = c["num_attention_heads"]
+    params = {
+        "dim": c["hidden_size"],
+        "n_layers": c["num_hidden_layers"],
+        "n_heads": n_heads,
+        "n_kv_heads": c.get("num_key_value_heads", n_heads),
+        "vocab_size": c["vocab_size"],
+        "hidden_dim": c["intermediate_size"],
+        "norm_eps": c.get("rms_norm_eps", 1e-5),
+        "rope_theta": float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        "use_scaled_rope": False,
+        "use_hf_rope": False,
+        "attention_qkv_bias": bool(c.get("attention_bias", False)),
+    }
+    head_dim = c.get("head_dim")
+    if head_dim and head_dim != c["hidden_size"] // n_heads:
+        params["head_dim"] = head_dim
+    return params
+
+
+_LLAMA_HF_TO_META = {
+    "self_attn.q_proj": "attention.wq",
+    "self_attn.k_proj": "attention.wk",
+    "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo",
+    "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "feed_forward.w1",
+    "mlp.down_proj": "feed_forward.w2",
+    "mlp.up_proj": "feed_forward.w3",
+}
+
+
+def llama_state_dict(sd: StateDict, params: dict) -> StateDict:
+    """HF Llama names and rotate-half q/k layout -> Meta names and interleaved layout (as torchtune converts)."""
+    dim, n_heads, n_kv = params["dim"], params["n_heads"], params["n_kv_heads"]
+    head_dim = params.get("head_dim", dim // n_heads)
+
+    def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+        return w.view(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(heads * head_dim, -1)
+
+    out = {"tok_embeddings.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
+    for i in range(params["n_layers"]):
+        for hf_name, meta_name in _LLAMA_HF_TO_META.items():
+            w = sd[f"model.layers.{i}.{hf_name}.weight"]
+            if hf_name == "self_attn.q_proj":
+                w = unpermute(w, n_heads)
+            elif hf_name == "self_attn.k_proj":
+                w = unpermute(w, n_kv)
+            out[f"layers.{i}.{meta_name}.weight"] = w
+    out["output.weight"] = sd.get("lm_head.weight", out["tok_embeddings.weight"])  # tied embeddings
+    return {k: v.float().contiguous() for k, v in out.items()}
+
+
+LLAMA = register_family(Family("llama", ("LlamaForCausalLM",), llama_params, llama_state_dict))

@@ -1,0 +1,129 @@
+"""ExecuTorch's static llama (the graph upstream compiles for HTP), built from a LoadedModel.
+
+qexp uses it in upstream's calibration form: ar_len = max_context_len, so one forward call scores a whole window
+of up to max_context_len tokens. The FP phase runs this module eagerly, and the quantize stage exports and
+calibrates exactly this module, so the phases differ only by quantization. Later stages re-export the same
+weights with other AR lengths (kv / prefill graphs) and copy the calibrated encodings onto them, as upstream does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence, Tuple
+
+import torch
+
+from qexp import upstream
+from qexp.errors import ConfigError, InputError
+from qexp.models.loaded import LoadedModel
+
+log = logging.getLogger("qexp")
+
+
+def arch_flags(arch: str) -> dict:
+    """Architecture switches upstream registers per model (SUPPORTED_LLM_MODELS)."""
+    if arch not in upstream.SUPPORTED_LLM_MODELS:
+        raise ConfigError(
+            f"model.arch={arch!r} is not an ExecuTorch-registered static llama",
+            f"choose one of: {', '.join(sorted(upstream.SUPPORTED_LLM_MODELS))}",
+        )
+    config = upstream.SUPPORTED_LLM_MODELS[arch]
+    return {
+        "transform_weight": bool(config.transform_weight),
+        "r3": bool(config.r3),
+        "masked_softmax": bool(config.masked_softmax),
+    }
+
+
+def uses_r3(model_cfg) -> bool:
+    """Whether the static llama of this model config applies SpinQuant's R3 rotation (model.r3, else upstream's)."""
+    return arch_flags(model_cfg.arch)["r3"] if model_cfg.r3 is None else bool(model_cfg.r3)
+
+
+def _to_rope_layout(state_dict: dict, n_layers: int, n_heads: int, n_kv_heads: int) -> dict:
+    """Upstream's `transform_weight` (TextDecoder._prepare_model): Meta interleaved q/k rows -> the rotate-half
+    layout the static llama's RoPE expects on HTP. Kept equal to upstream's permute with partial_rotary_dim=1."""
+
+    def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+        rows, cols = w.shape
+        return w.view(heads, -1, rows // heads // 2, 2, cols).transpose(2, 3).reshape(rows, cols)
+
+    out = dict(state_dict)
+    for i in range(n_layers):
+        out[f"layers.{i}.attention.wq.weight"] = permute(out[f"layers.{i}.attention.wq.weight"], n_heads)
+        out[f"layers.{i}.attention.wk.weight"] = permute(out[f"layers.{i}.attention.wk.weight"], n_kv_heads)
+    return out
+
+
+def model_args(model: LoadedModel, max_context_len: int, ar_len: int, r3: bool, kv_io_bit_width: int = 16):
+    """upstream ModelArgs as its process_model_args sets them (batch 1)."""
+    args = upstream.ModelArgs(**model.params)
+    args.max_batch_size = 1
+    args.max_seq_len = max_context_len
+    args.max_context_len = max_context_len
+    args.ar_len = ar_len
+    args.use_kv_cache = True  # upstream: always for the calibration graph, and whenever ar_len != context
+    args.enable_r3 = r3
+    args.kv_io_bit_width = kv_io_bit_width
+    # Masked softmax is an HTP graph optimisation that needs a QNN SDK version check; the CPU graph is the same.
+    args.enable_masked_softmax = False
+    return args
+
+
+class StaticLlama:
+    """The static llama for one context length, with helpers to build its flat input tuple."""
+
+    def __init__(self, model: LoadedModel, max_context_len: int, r3: bool | None = None, ar_len: int | None = None):
+        flags = arch_flags(model.arch)
+        self.r3 = flags["r3"] if r3 is None else bool(r3)
+        self.max_context_len = max_context_len
+        self.ar_len = ar_len or max_context_len
+        self.args = model_args(model, max_context_len, self.ar_len, self.r3)
+        module = upstream.LlamaModel(self.args, ar_len=self.ar_len, output_new_cache_only=True, output_cache=True)
+        state = model.state_dict
+        if flags["transform_weight"]:
+            state = _to_rope_layout(state, self.args.n_layers, self.args.n_heads, self.args.n_kv_heads)
+        # strict: a checkpoint that does not fit the params (wrong file pairing) fails here, loudly.
+        try:
+            module.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as exc:
+            raise InputError(
+                f"checkpoint does not match its params ({str(exc).splitlines()[0][:160]})",
+                "check that model.checkpoint and model.params belong together",
+            ) from exc
+        for layer in module.layers:  # upstream's linear -> 1x1 conv preparation for HTP
+            if getattr(layer.attention, "prepare_attention_conv", None):
+                layer.attention.prepare_attention_conv()
+            if getattr(layer.feed_forward, "prepare_feedforward_conv", None):
+                layer.feed_forward.prepare_feedforward_conv()
+        self.module = upstream.convert_linear_to_conv2d(module).eval()
+        self.n_layers = self.args.n_layers
+        self.vocab_size = self.args.vocab_size
+
+    def inputs(self, tokens: Sequence[int] | torch.Tensor, start_pos: int = 0) -> Tuple[torch.Tensor, ...]:
+        """Flat inputs (tokens, mask, positions, k caches..., v caches...) for up to ar_len tokens.
+
+        Shorter inputs are right-padded; with the causal mask, padding cannot change the real positions' logits.
+        Positions must be real (arange): upstream's example inputs use zeros, which silently disables RoPE.
+        """
+        tokens = torch.as_tensor(tokens, dtype=torch.int32).reshape(-1)
+        n = tokens.numel()
+        if n == 0 or n > self.ar_len:
+            raise ValueError(f"{n} tokens for a graph of AR length {self.ar_len}")
+        padded = torch.zeros((1, self.ar_len), dtype=torch.int32)
+        padded[0, :n] = tokens
+        example = self.module.get_example_inputs()
+        _, mask, _, k_caches, v_caches = example
+        positions = (start_pos + torch.arange(self.ar_len, dtype=torch.int32)).unsqueeze(0)
+        return (padded, *mask, positions, *k_caches, *v_caches)
+
+    def example_inputs(self) -> Tuple[torch.Tensor, ...]:
+        return self.inputs(torch.zeros(self.ar_len, dtype=torch.int32))
+
+
+@torch.no_grad()
+def window_logits(module, static: StaticLlama, tokens: Sequence[int]) -> torch.Tensor:
+    """Logits [len(tokens), vocab] of one window through `module` (eager static llama or its QDQ program)."""
+    out = module(*static.inputs(tokens))
+    logits = out[0] if isinstance(out, (tuple, list)) else out
+    return logits.reshape(static.ar_len, -1)[: len(tokens)].float()

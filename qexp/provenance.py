@@ -1,0 +1,105 @@
+"""Provenance: what a result depends on. Library versions, the environment a run ran in, the hash of a run's config
+and the keys of the content-addressed cache entries the stages share (a key changes exactly when its content would).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import socket
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Dict
+
+from omegaconf import DictConfig, OmegaConf
+
+from qexp.cache import stable_hash
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Bump when a change makes cached QDQ programs of the same inputs differ.
+QDQ_CACHE_VERSION = 2
+
+
+def config_hash(cfg: DictConfig) -> str:
+    """Hash of everything that determines a run's results (not where it is tracked or cached)."""
+    container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    for volatile in ("tracking", "cache_dir"):
+        container.pop(volatile, None)
+    return stable_hash(container, length=16)
+
+
+@functools.lru_cache(maxsize=1)
+def library_versions() -> Dict[str, str]:
+    """Versions that change results (part of cache keys and run tags)."""
+
+    def version(package: str) -> str:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    qnn = version("onnxruntime-qnn")
+    return {
+        "version.torch": version("torch"),
+        "version.executorch": version("executorch"),
+        "version.torchao": version("torchao"),
+        "version.transformers": version("transformers"),
+        "version.lm_eval": version("lm_eval"),
+        "version.qnn_libs": f"onnxruntime-qnn {qnn}" if qnn != "absent" else "absent",
+    }
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment_tags() -> Dict[str, str]:
+    """Where a run ran: the git commit (with -dirty), library versions, host, CPU, Python."""
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        ).stdout.strip() or "unknown"
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "unknown", ""
+    return {
+        "git_commit": commit + ("-dirty" if dirty else ""),
+        **library_versions(),
+        "host": socket.gethostname(),
+        "cpu": cpu_model(),
+        "python": platform.python_version(),
+    }
+
+
+def fp_eval_key(cfg: DictConfig, model, static, windows, keep_logits: int) -> str:
+    """The FP phase of one model on one set of windows (shared by every run and sweep job that asks for it)."""
+    return stable_hash({"model": model.fingerprint, "arch": cfg.model.arch, "r3": static.r3,
+                        "context": cfg.export.max_context_len, "windows": windows.sha256,
+                        "keep_logits": keep_logits, "versions": library_versions()}, length=24)
+
+
+def qdq_cache_key(cfg: DictConfig, model, static, calibration, soc: str) -> str:
+    """Everything that determines a calibrated QDQ program (the model's fingerprint includes its transforms)."""
+    return stable_hash({
+        "version": QDQ_CACHE_VERSION,
+        "model": model.fingerprint,
+        "arch": cfg.model.arch,
+        "r3": static.r3,
+        "recompose_hadamard": cfg.model.recompose_hadamard,
+        "context": cfg.export.max_context_len,
+        "quant": OmegaConf.to_container(cfg.quant, resolve=True, enum_to_str=True),
+        "observer": OmegaConf.to_container(cfg.observer, resolve=True, enum_to_str=True),
+        "calibration": calibration.sha256,
+        "soc": soc,
+        "versions": library_versions(),
+    }, length=24)

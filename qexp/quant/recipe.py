@@ -1,0 +1,145 @@
+"""A `quant` + `observer` config -> upstream's QuantRecipe and a QnnQuantizer.
+
+The config maps onto upstream's QuantRecipe builder (the one its static-llama recipes use): a default strategy for
+every op (activations at the scheme's bits, per tensor), a conv strategy for the weights (every linear is a 1x1
+conv in the static llama), regex overrides by module path, and custom annotations by name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qexp import upstream
+from qexp.config import NO_QUANT, SCHEMES, Granularity, ObserverConfig, ObserverKind, QuantConfig
+from qexp.errors import ConfigError
+from qexp.upstream.private import quantizer_keeping_hadamard_matmul
+
+_GRANULARITY = {
+    Granularity.per_tensor: upstream.QuantGranularity.PER_TENSOR,
+    Granularity.per_channel: upstream.QuantGranularity.PER_CHANNEL,
+    Granularity.per_block: upstream.QuantGranularity.PER_BLOCK,
+}
+
+
+def quant_dtype(scheme: str):
+    if scheme not in SCHEMES:
+        raise ConfigError(f"unknown quantization scheme {scheme!r}", f"choose one of: {', '.join(SCHEMES)}")
+    return getattr(upstream.QuantDtype, f"use_{scheme}")
+
+
+def custom_annotation(name: str):
+    fn = getattr(upstream.custom_annotation, name, None)
+    if not callable(fn) or not (name.startswith("annotate") or name.startswith("custom_annotate")):
+        valid = sorted(
+            n for n in dir(upstream.custom_annotation)
+            if (n.startswith("annotate") or n.startswith("custom_annotate"))
+            and callable(getattr(upstream.custom_annotation, n))
+        )
+        raise ConfigError(f"unknown custom annotation {name!r}", f"choose from: {', '.join(valid)}")
+    return fn
+
+
+def observer_class(cfg: ObserverConfig) -> type:
+    """An observer class for activations. torchao's prepare needs a class (it reads __name__), not a partial."""
+    from torchao.quantization.pt2e import MinMaxObserver, MovingAverageMinMaxObserver
+
+    if cfg.kind == ObserverKind.minmax:
+        return MinMaxObserver
+    if cfg.kind == ObserverKind.moving_average:
+        if not 0 < cfg.averaging_constant <= 1:
+            raise ConfigError(f"observer.averaging_constant={cfg.averaging_constant}", "use a value in (0, 1]")
+        constant = float(cfg.averaging_constant)
+
+        class ConfiguredMovingAverageMinMaxObserver(MovingAverageMinMaxObserver):
+            def __init__(self, **kwargs):
+                kwargs.setdefault("averaging_constant", constant)
+                super().__init__(**kwargs)
+
+        return ConfiguredMovingAverageMinMaxObserver
+    if cfg.kind == ObserverKind.percentile:
+        if not 50 < cfg.percentile <= 100:
+            raise ConfigError(f"observer.percentile={cfg.percentile}", "use a value in (50, 100]")
+        return _percentile_observer(float(cfg.percentile))
+    raise ConfigError(f"unknown observer kind {cfg.kind}")
+
+
+def _percentile_observer(percentile: float) -> type:
+    from torchao.quantization.pt2e import MinMaxObserver
+
+    class PercentileObserver(MinMaxObserver):
+        """Range = running min/max over batches of each batch's (100-p)th / p-th percentile."""
+
+        max_samples = 1 << 20  # strided subsample of big tensors (e.g. logits) to bound the sort's cost
+
+        def forward(self, x_orig):
+            if x_orig.numel() == 0:
+                return x_orig
+            x = x_orig.detach().to(self.min_val.dtype).flatten()
+            if x.numel() > self.max_samples:
+                x = x[:: x.numel() // self.max_samples + 1]
+            k_low = max(1, int(round(x.numel() * (100.0 - percentile) / 100.0)))
+            k_high = max(1, min(x.numel(), int(round(x.numel() * percentile / 100.0))))
+            low, high = x.kthvalue(k_low).values, x.kthvalue(k_high).values
+            self.min_val.copy_(torch.minimum(low, self.min_val))
+            self.max_val.copy_(torch.maximum(high, self.max_val))
+            return x_orig
+
+    return PercentileObserver
+
+
+def _strategy_kwargs(granularity: Granularity, block_size: int) -> dict:
+    kwargs = {"granularity": _GRANULARITY[granularity]}
+    if granularity == Granularity.per_block:
+        if block_size < 1:
+            raise ConfigError(f"block_size={block_size}", "use a positive block size")
+        # conv2d weight is (out, in, 1, 1): one scale per `block_size` input channels of each output channel
+        kwargs["extra_kwargs"] = {"block_size": (1, int(block_size), 1, 1)}
+    return kwargs
+
+
+def build_recipe(quant: QuantConfig, observer: ObserverConfig):
+    act_observer = observer_class(observer)
+    dtype = quant_dtype(quant.scheme)
+    if quant.weight_granularity == Granularity.per_block and quant.scheme != "16a4w_block":
+        raise ConfigError(f"quant.weight_granularity=per_block needs scheme 16a4w_block, not {quant.scheme}")
+    recipe = upstream.QuantRecipe(
+        dtype, False, act_observer=act_observer, granularity=upstream.QuantGranularity.PER_TENSOR,
+        act_symmetric=quant.act_symmetric, note=f"{quant.scheme} default",
+    )
+    recipe.add_node_target(
+        {torch.ops.aten.conv2d.default}, dtype, False, act_observer=act_observer,
+        act_symmetric=quant.act_symmetric, note="weights of conv/linear layers",
+        **_strategy_kwargs(quant.weight_granularity, quant.block_size),
+    )
+    for override in quant.overrides:
+        override_dtype = quant_dtype(override.scheme)
+        if override.granularity == Granularity.per_block and override.scheme != "16a4w_block":
+            raise ConfigError(f"override {override.pattern!r}: per_block needs scheme 16a4w_block")
+        common = dict(act_observer=act_observer, act_symmetric=override.act_symmetric,
+                      note=override.note or override.pattern)
+        # A module-path regex also matches the non-weight ops inside that module (silu, mul, ...), which have no
+        # channel axis: the weight rule is limited to conv modules (lookahead: the path ends in "conv"), and the
+        # activations in the same scope get the override's bits per tensor.
+        recipe.add_regex({f"(?=.*conv$)(?:{override.pattern})"}, override_dtype, False, priority=3, **common,
+                         **_strategy_kwargs(override.granularity, override.block_size))
+        recipe.add_regex({override.pattern}, override_dtype, False, priority=2, **common,
+                         granularity=upstream.QuantGranularity.PER_TENSOR)
+    recipe.custom_quant_annotations.extend(custom_annotation(name) for name in quant.custom_annotations)
+    return recipe
+
+
+def make_quantizer(quant: QuantConfig, observer: ObserverConfig, soc: str, recompose_hadamard: bool = True):
+    """QnnQuantizer for `soc` with the recipe. Without `recompose_hadamard` the R3 rotation stays a plain matmul:
+    QNN 2.49's HTP cannot build its HadamardTransform op in an AR-N prefill graph and takes it only at 16 bits."""
+    quantizer_cls = (upstream.QnnQuantizer if recompose_hadamard
+                     else quantizer_keeping_hadamard_matmul(upstream.QnnQuantizer))
+    quantizer = quantizer_cls(soc_model=getattr(upstream.QcomChipset, soc))
+    quantizer.set_recipe(build_recipe(quant, observer))
+    return quantizer
+
+
+def validate_recipe(quant: QuantConfig, observer: ObserverConfig) -> None:
+    """Check a recipe before a run starts (unknown schemes, annotations, bad observer values)."""
+    if quant.scheme == NO_QUANT:
+        return
+    build_recipe(quant, observer)

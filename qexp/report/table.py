@@ -1,0 +1,213 @@
+"""Runs -> the comparison table: columns, derived columns, comparability, notes, pivot, display strings.
+
+Nothing here names a backend: a run's deployed phase logs the same metrics whatever it deployed to (ppl_deployed,
+...), its params say which (backend.name) and its tags what it ran on (target) and was quantized with (scheme).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+from qexp.report.base import Report, ReportError, column
+
+# column name -> (MLflow column, header); the default table, in the seeds' order
+COLUMNS: Dict[str, tuple[str, str]] = {
+    "model": ("params.model.name", "model"),
+    "scheme": ("tags.scheme", "scheme"),
+    "observer": ("params.observer.name", "observer"),
+    "calibration": ("calibration", "calibration"),
+    "kv_mode": ("kv_mode", "KV mode"),
+    "backend": ("params.backend.name", "backend"),
+    "target": ("target", "target"),
+    "ppl_fp": ("metrics.ppl_fp", "PPL FP"),
+    "ppl_qdq": ("metrics.ppl_qdq", "PPL QDQ"),
+    "ppl_deployed": ("metrics.ppl_deployed", "PPL deployed"),
+    "delta_vs_fp": ("delta_vs_fp", "Δ vs FP"),
+    "ttft_ms": ("metrics.ttft_ms", "TTFT ms"),
+    "decode_tok_s": ("metrics.decode_tok_s", "decode tok/s"),
+    "pte_mb": ("pte_mb", ".pte MB"),
+}
+EXTRA_COLUMNS: Dict[str, tuple[str, str]] = {
+    "model_mode": ("params.backend.model_mode", "model mode"),
+    "soc": ("params.backend.soc", "SoC"),
+    "weights_mb": ("metrics.weights_mb", "weights MB"),
+    "ppl_fp_sub": ("metrics.ppl_fp_sub", "PPL FP (deployed subset)"),
+    "ppl_qdq_sub": ("metrics.ppl_qdq_sub", "PPL QDQ (deployed subset)"),
+    "ppl_deployed_vs_qdq": ("metrics.ppl_deployed_vs_qdq", "Δ deployed vs QDQ"),
+    "top1_deployed_vs_qdq": ("metrics.top1_agreement_deployed_vs_qdq", "top-1 deployed vs QDQ"),
+    "decoder": ("tags.decoder", "decoder"),
+    "prefill_tok_s": ("metrics.prefill_tok_s", "prefill tok/s"),
+    "run_id": ("run_id", "run"),
+}
+# Metrics the CSV keeps even when not shown: the subset figures the notes point to.
+CSV_METRICS = ("ppl_fp_sub", "ppl_qdq_sub", "ppl_deployed_vs_qdq", "top1_agreement_deployed_vs_qdq",
+               "deployed_eval_tokens", "deployed_eval_windows")
+# What makes perplexities comparable: the same text, window length and window count.
+COMPARABILITY = {
+    "tags.text_sha256": "text",
+    "params.eval.window_len": "window length",
+    "params.eval.n_windows": "window count",
+}
+MIXED_COLUMNS = {"text_source": ("params.eval.text_source", "text"),
+                 "window_len": ("params.eval.window_len", "window len"),
+                 "n_windows": ("params.eval.n_windows", "windows")}
+EMULATED = {"x86_emulator"}
+
+
+def _derived(runs: pd.DataFrame) -> pd.DataFrame:
+    runs = runs.copy()
+    num = lambda name: pd.to_numeric(column(runs, name), errors="coerce")  # noqa: E731
+    # QNN observers / calibration mean nothing for runs without a QNN scheme (fp32; XNNPACK quantizes by its qmode)
+    fp32 = (column(runs, "params.quant.scheme").fillna("fp32") == "fp32").to_numpy()
+    runs["calibration"] = np.where(
+        fp32, "-", column(runs, "params.calibration.name").astype(str) + " "
+        + column(runs, "params.calibration.limit").astype(str) + "x"
+        + column(runs, "params.calibration.seq_len").astype(str),
+    )
+    runs["params.observer.name"] = np.where(fp32, "-", column(runs, "params.observer.name"))
+    runs["kv_mode"] = column(runs, "params.backend.kv_update").fillna("-")  # logged only by backends that have one
+    target = column(runs, "tags.target")
+    runs["target"] = target.where(target.notna(), "pytorch")
+    runs["pte_mb"] = num("metrics.pte_bytes") / 1e6
+    # a run's own quantization against FP: its QDQ phase where it has one, else its deployed program
+    qdq = num("metrics.ppl_qdq_vs_fp")
+    runs["delta_vs_fp"] = qdq.where(qdq.notna(), num("metrics.ppl_deployed_vs_fp"))
+    return runs
+
+
+def resolve_columns(names: Optional[Sequence[str]]) -> Dict[str, tuple[str, str]]:
+    if not names:
+        return dict(COLUMNS)
+    known = {**COLUMNS, **EXTRA_COLUMNS}
+    out = {}
+    for name in names:
+        if name in known:
+            out[name] = known[name]
+        elif name.startswith(("metrics.", "params.", "tags.")):
+            out[name] = (name, name.split(".", 1)[1])
+        else:  # a bare metric name, e.g. kv_update_us_per_token
+            out[name] = (f"metrics.{name}", name)
+    return out
+
+
+def _check_comparable(runs: pd.DataFrame, allow_mixed: bool) -> Optional[str]:
+    """None when all runs share text, window length and window count; else the groups (if --allow-mixed)."""
+    keys = [k for k in COMPARABILITY if k in runs]
+    groups = runs.groupby(keys, dropna=False).size() if keys else pd.Series(dtype=int)
+    if len(groups) <= 1:
+        return None
+    described = "; ".join(
+        ", ".join(f"{COMPARABILITY[k]}={v if k != 'tags.text_sha256' else str(v)[:10]}" for k, v in
+                  zip(keys, idx if isinstance(idx, tuple) else (idx,))) + f" ({n} runs)"
+        for idx, n in groups.items()
+    )
+    if not allow_mixed:
+        raise ReportError(f"runs are not comparable, their perplexities use different text/windows: {described}",
+                          "narrow them with --filter / --sweep, or pass --allow-mixed to tabulate them with "
+                          "those columns shown")
+    return described
+
+
+def _data(runs: pd.DataFrame, chosen: Dict[str, tuple[str, str]]) -> pd.DataFrame:
+    """One row per run: the chosen columns (numeric where every value is), ids and the CSV's extra metrics."""
+    data = pd.DataFrame({name: column(runs, source) for name, (source, _) in chosen.items()})
+    for name in data:
+        converted = pd.to_numeric(data[name], errors="coerce")
+        if converted.notna().sum() == data[name].notna().sum() and data[name].notna().any():
+            data[name] = converted
+    data = data.dropna(axis=1, how="all")
+    data["run_id"] = runs["run_id"].values
+    data["config_hash"] = column(runs, "tags.config_hash").values
+    data["weights_mb"] = pd.to_numeric(column(runs, "metrics.weights_mb"), errors="coerce").values
+    data["target"] = runs["target"].values
+    for extra in CSV_METRICS:
+        if f"metrics.{extra}" in runs and extra not in data:
+            data[extra] = pd.to_numeric(runs[f"metrics.{extra}"], errors="coerce").values
+    # size: the deployed program where there is one, else the weights at their quantized widths
+    data["size_mb"] = (pd.to_numeric(column(runs, "metrics.pte_bytes"), errors="coerce") / 1e6).values
+    data["size_mb"] = data["size_mb"].fillna(data["weights_mb"])
+    # one model's rows together, largest (least quantized) first, like the seeds' tables
+    sort = (["model"] if "model" in data else []) + ["size_mb"]
+    return data.sort_values(sort, ascending=[True] * (len(sort) - 1) + [False], kind="stable").reset_index(drop=True)
+
+
+def _subset_note(runs: pd.DataFrame) -> Optional[str]:
+    """Where a deployed phase scored fewer tokens than the windows hold (position 0 predicts nothing)."""
+    num = lambda name: pd.to_numeric(column(runs, name), errors="coerce")  # noqa: E731
+    tokens = num("metrics.deployed_eval_tokens")
+    full = num("params.eval.n_windows") * (num("params.eval.window_len") - 1)
+    subset = num("metrics.ppl_deployed").notna() & (tokens < full)
+    if not subset.any():
+        return None
+    counts = "/".join(map(str, sorted(set(tokens[subset].astype(int)))))
+    return (f"Where a deployed phase scored a subset, PPL deployed is measured on the first {counts} predicted tokens "
+            "of those windows (see ppl_fp_sub / ppl_qdq_sub / ppl_deployed_vs_qdq in the CSV for FP and QDQ on the "
+            "same subset).")
+
+
+def _notes(runs: pd.DataFrame, chosen: Dict[str, tuple[str, str]]) -> List[str]:
+    first = runs.iloc[0].get
+    notes = [f"Perplexity: token-level, lm-eval `weighted_perplexity`, text {first('params.eval.text_source', '?')}, "
+             f"{first('params.eval.n_windows', '?')} windows x {first('params.eval.window_len', '?')} tokens."]
+    subset = _subset_note(runs)
+    if subset:
+        notes.append(subset)
+    if "delta_vs_fp" in chosen:
+        notes.append("Δ vs FP: PPL QDQ / PPL FP - 1 where the run has a QDQ phase, else PPL deployed / PPL FP - 1 "
+                     "(on the windows the deployed phase scored).")
+    if (runs["target"] == "cpu").any():
+        notes.append("target=cpu: the deployed .pte runs on this machine's CPU (real speed; scheme = what its "
+                     "backend quantized it with, PPL deployed from running the .pte).")
+    if runs["target"].isin(EMULATED).any():
+        notes.append("target=x86_emulator: HTP graphs run on the QNN HTP emulator on this x86 host; its TTFT and "
+                     "tok/s are emulator timings, not phone speed.")
+    if "pytorch" in set(runs["target"]):
+        notes.append("target=pytorch: no deployment backend; PPL FP and PPL QDQ (the fake-quantized program) run in "
+                     "PyTorch.")
+    return notes
+
+
+def _pivot(data: pd.DataFrame, pivot: Sequence[str]) -> pd.DataFrame:
+    if len(pivot) != 3:
+        raise ReportError(f"--pivot {','.join(pivot)}", "pass three names: index,columns,values")
+    index, cols, values = pivot
+    missing = [p for p in pivot if p not in data]
+    if missing:
+        raise ReportError(f"--pivot: no column {', '.join(missing)} in the table",
+                          f"choose from {', '.join(data.columns)} (add them with --columns)")
+    return data.pivot_table(index=index, columns=cols, values=values, aggfunc="first")
+
+
+def build_report(runs: pd.DataFrame, columns: Optional[Sequence[str]] = None, allow_mixed: bool = False,
+                 pivot: Optional[Sequence[str]] = None) -> Report:
+    """runs as load_runs returns them (today's names) -> the table, its CSV data, notes and optional pivot."""
+    runs = _derived(runs)
+    chosen = resolve_columns(columns)
+    mixed = _check_comparable(runs, allow_mixed)
+    if mixed:
+        chosen = {**MIXED_COLUMNS, **chosen}
+    data = _data(runs, chosen)
+    table = data[[c for c in data.columns if c in chosen]].rename(columns={k: v[1] for k, v in chosen.items()})
+    notes: List[str] = []
+    if mixed:
+        notes.append(f"Mixed evaluation settings (--allow-mixed): {mixed}. Compare rows only within a group.")
+    notes += _notes(runs, chosen)
+    pivot_table = _pivot(data, pivot) if pivot else None
+    return Report(table=table, data=data, notes=notes, pivot=pivot_table)
+
+
+def formatted(table: pd.DataFrame) -> pd.DataFrame:
+    """Display strings: perplexities to 2 decimals, relative differences in %, '-' where not measured."""
+    out = table.copy().astype(object)
+    for name in out:
+        values = pd.to_numeric(table[name], errors="coerce")
+        if name.startswith("Δ"):
+            out[name] = [f"{v:+.1%}" if pd.notna(v) else "-" for v in values]
+        elif values.notna().any() and table[name].dtype != object:
+            out[name] = [f"{v:.4g}" if abs(v) >= 100 else f"{v:.2f}" if pd.notna(v) else "-" for v in values]
+        else:
+            out[name] = table[name].fillna("-")
+    return out

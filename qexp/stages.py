@@ -1,0 +1,192 @@
+"""The stages of a run (qexp/pipeline.py orders them). Each reads what earlier stages left on the RunState, calls
+the module that does the work, and records what it produced: metrics, tags, params and artifacts."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from qexp.backends import PhaseInputs, QdqPhase
+from qexp.errors import InputError
+from qexp.eval.compare import compare, phase_metrics
+from qexp.provenance import fp_eval_key, library_versions, qdq_cache_key
+
+log = logging.getLogger("qexp")
+
+SQNR_WINDOWS = 2  # windows whose full logits are compared between phases
+
+
+def load(state) -> None:
+    from qexp.models.sources import load_model
+    from qexp.models.static_llama import StaticLlama
+    from qexp.quant.encodings import weights_megabytes
+
+    cfg = state.cfg
+    with state.timer.stage("load"):
+        model = load_model(cfg.model, state.cache)
+        if model.max_context and cfg.eval.seq_len > model.max_context:
+            raise InputError(
+                f"eval.seq_len={cfg.eval.seq_len} is larger than the model's context ({model.max_context} tokens)",
+                "lower eval.seq_len",
+            )
+        state.model = model
+        state.fp_static = StaticLlama(model, cfg.export.max_context_len, r3=cfg.model.r3)
+    state.tags.update({"model_sha256": model.fingerprint, "model_source": model.source_path,
+                       "r3": str(state.fp_static.r3)})
+    state.metrics["model_params"] = model.n_params
+    state.metrics["weights_mb"] = weights_megabytes(state.fp_static.module)  # fp32; the QDQ phase replaces it
+
+
+def text(state) -> None:
+    from qexp.data.text import load_corpus
+    from qexp.data.windows import make_windows
+
+    cfg, model = state.cfg, state.model
+    with state.timer.stage("text"):
+        corpus = load_corpus(cfg.text, state.cache)
+        windows = make_windows(corpus.joined("test"), model.tokenizer, cfg.eval.seq_len, cfg.eval.limit, model.add_bos)
+    state.corpus, state.windows = corpus, windows
+    state.tags.update({
+        "text_source": corpus.source,
+        "text_sha256": corpus.sha256,
+        "text_comparable_to_wikitext2": str(corpus.comparable_to_wikitext2).lower(),
+        "eval_windows_sha256": windows.sha256,
+    })
+    state.log_params({
+        "eval.text_source": corpus.source,
+        "eval.window_len": windows.seq_len,
+        "eval.n_windows": windows.n_windows,
+        "eval.predicted_tokens": windows.n_predicted,
+        "text.test_chars": corpus.n_chars["test"],
+        "text.calibration_chars": corpus.n_chars["calibration"],
+    })
+    state.log_array(windows.ids, "eval/windows.npy")
+
+
+def fp(state) -> None:
+    from qexp.eval.perplexity import cached_evaluation, evaluate
+    from qexp.models.static_llama import window_logits
+
+    static, windows = state.fp_static, state.windows
+    with state.timer.stage("eval_fp"):
+        # Shared by every run of this model on these windows (a sweep evaluates FP once).
+        key = fp_eval_key(state.cfg, state.model, static, windows, SQNR_WINDOWS)
+        result, hit = cached_evaluation(state.cache, key, windows, lambda: evaluate(
+            lambda ids: window_logits(static.module, static, ids), windows, "FP", keep_logits=SQNR_WINDOWS))
+    state.fp = result
+    state.tags["fp_eval_cache_hit"] = str(hit).lower()
+    state.metrics.update(phase_metrics(result, "fp"))
+    log.info("FP:  ppl %.3f  word_ppl %.3f  bits/byte %.4f", state.metrics["ppl_fp"], state.metrics["word_ppl_fp"],
+             state.metrics["bits_per_byte_fp"])
+    state.per_window.update({"window": np.arange(windows.n_windows), "words": windows.words, "bytes": windows.bytes,
+                             "ll_fp": result.logprobs.sum(axis=1)})
+
+
+def calibration(state) -> None:
+    from qexp.data.calibration import build_calibration, check_disjoint
+    from qexp.transforms import build_transforms
+
+    needed = state.quantized or any(t.needs_calibration for t in build_transforms(state.cfg.algorithm))
+    if not needed:
+        return
+    cfg, model = state.cfg, state.model
+    with state.timer.stage("calibration_data"):
+        state.calibration = build_calibration(cfg.calibration, state.corpus, model.tokenizer, model.add_bos,
+                                              cfg.export.max_context_len)
+        check_disjoint(state.calibration, state.windows)
+    state.tags["calibration_sha256"] = state.calibration.sha256
+    state.metrics["calibration_tokens"] = state.calibration.n_tokens
+
+
+def transform(state) -> None:
+    """Apply the `algorithm` transforms to the float model; every later stage uses the result. A transform that
+    preserves the function must leave the float perplexity unchanged: `ppl_fp_transformed` shows it."""
+    from qexp.eval.perplexity import evaluate
+    from qexp.models.static_llama import StaticLlama, window_logits
+    from qexp.transforms import TransformContext, apply_transforms, build_transforms
+
+    transforms = build_transforms(state.cfg.algorithm)
+    if not transforms:
+        state.deploy_model, state.static = state.model, state.fp_static
+        return
+    context = TransformContext(state.cfg, state.calibration, state.cache, state.timer)
+    model = apply_transforms(state.model, transforms, context)
+    static = StaticLlama(model, state.cfg.export.max_context_len, r3=state.cfg.model.r3)
+    with state.timer.stage("eval_fp_transformed"):
+        result = evaluate(lambda ids: window_logits(static.module, static, ids), state.windows, "FP transformed")
+    state.deploy_model, state.static = model, static
+    state.metrics.update({"ppl_fp_transformed": result.metrics()["ppl"],
+                          **compare(result, state.fp, "fp_transformed", "fp")})
+    state.tags.update({"algorithm": ",".join(model.transforms), "model_sha256_transformed": model.fingerprint})
+    log.info("transforms %s: float ppl %.4f (untransformed %.4f)", ",".join(model.transforms),
+             state.metrics["ppl_fp_transformed"], state.metrics["ppl_fp"])
+
+
+def qdq(state) -> None:
+    from qexp.eval.perplexity import evaluate
+    from qexp.models.static_llama import window_logits
+    from qexp.quant.calibrate import quantize
+    from qexp.quant.encodings import encodings_table, summarize_encodings, weights_megabytes
+
+    if not state.quantized:
+        return
+    cfg, static = state.cfg, state.static
+    soc = state.backend.quantizer_soc(cfg)
+    key = qdq_cache_key(cfg, state.deploy_model, static, state.calibration, soc)
+    with state.timer.stage("quantize"):
+        program = quantize(static, cfg.quant, cfg.observer, state.calibration, state.cache, key, soc,
+                           timer=state.timer, recompose_hadamard=cfg.model.recompose_hadamard)
+    state.tags.update({"qdq_cache_key": key, "qdq_cache_hit": str(program.cache_hit).lower()})
+    with state.timer.stage("eval_qdq"):
+        result = evaluate(lambda ids: window_logits(program.module, static, ids), state.windows, "QDQ",
+                          keep_logits=SQNR_WINDOWS)
+    state.qdq = QdqPhase(program, result, static)
+    metrics = state.metrics
+    metrics.update({**phase_metrics(result, "qdq"), **compare(result, state.fp, "qdq", "fp")})
+    log.info("QDQ: ppl %.3f (%+.2f%% vs FP)  word_ppl %.3f  logits SQNR %.1f dB", metrics["ppl_qdq"],
+             100 * metrics["ppl_qdq_vs_fp"], metrics["word_ppl_qdq"], metrics["logits_sqnr_db_qdq_vs_fp"])
+    state.per_window["ll_qdq"] = result.logprobs.sum(axis=1)
+    table = encodings_table(program.module)
+    metrics["weights_mb"] = weights_megabytes(static.module, table)
+    state.log_text(table.to_csv(index=False), "quant/encodings.csv")
+    state.log_text(summarize_encodings(table), "quant/summary.txt")
+
+
+def deploy(state) -> None:
+    """The backend's phase; its log-likelihoods are compared with FP and QDQ on exactly the windows it scored."""
+    if not state.backend.deploys:
+        return
+    inputs = PhaseInputs(state.cfg, state.deploy_model, state.windows, state.fp, state.qdq, state.cache, state.timer,
+                         library_versions())
+    result = state.backend.run(inputs)
+    state.metrics.update(result.metrics)
+    state.tags.update({"deployed_phase": state.cfg.backend.name, **result.tags})
+    for path, content in result.texts.items():
+        state.log_text(content, path)
+    if result.deployed is not None:
+        _score_deployed(state, result.deployed)
+
+
+def _score_deployed(state, deployed) -> None:
+    subset, windows = deployed.windows, state.windows
+    whole = subset.ids.shape == windows.ids.shape and np.array_equal(subset.ids, windows.ids)
+    fp_sub = state.fp if whole else state.fp.head(subset)
+    metrics = state.metrics
+    metrics.update(phase_metrics(deployed, "deployed"))
+    metrics.update({f"{k}_fp_sub": v for k, v in fp_sub.metrics().items() if k in ("ppl", "word_ppl")})
+    metrics.update(compare(deployed, fp_sub, "deployed", "fp"))
+    if state.qdq is not None:
+        qdq_sub = state.qdq.result if whole else state.qdq.result.head(subset)
+        metrics.update({f"{k}_qdq_sub": v for k, v in qdq_sub.metrics().items() if k in ("ppl", "word_ppl")})
+        metrics.update(compare(deployed, qdq_sub, "deployed", "qdq"))
+    metrics.update({"deployed_eval_tokens": subset.n_predicted, "deployed_eval_windows": subset.n_windows})
+    reference = "qdq" if state.qdq is not None else "fp"
+    log.info("%s (%s): ppl %.3f vs %s %.3f on the same %d tokens (%+.2f%%), top-1 agreement %.3f",
+             state.cfg.backend.name.upper(), state.tags.get("target", "?"), metrics["ppl_deployed"], reference.upper(),
+             metrics[f"ppl_{reference}_sub"], subset.n_predicted, 100 * metrics[f"ppl_deployed_vs_{reference}"],
+             metrics[f"top1_agreement_deployed_vs_{reference}"])
+
+
+STAGE_FUNCTIONS = {"load": load, "text": text, "fp": fp, "calibration": calibration, "transform": transform,
+                   "qdq": qdq, "deploy": deploy}

@@ -1,0 +1,143 @@
+"""Track stage: one MLflow run per experiment.
+
+The store defaults to an embedded one in the repo (sqlite:///<repo>/mlruns.db, artifacts in <repo>/mlartifacts),
+follows $MLFLOW_TRACKING_URI or tracking.uri for a server, and is checked for reachability before any work
+starts. A run that raises ends FAILED with the error as an artifact (error.txt) and tag.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import mlflow
+from omegaconf import DictConfig, OmegaConf
+
+from qexp.config import TrackingConfig
+from qexp.errors import TrackingError
+from qexp.provenance import REPO_ROOT
+
+log = logging.getLogger("qexp")
+
+
+def embedded_store_uri(root: Path = REPO_ROOT) -> str:
+    return f"sqlite:///{root / 'mlruns.db'}"
+
+
+def resolve_uri(cfg: TrackingConfig) -> str:
+    return cfg.uri or os.environ.get("MLFLOW_TRACKING_URI") or embedded_store_uri()
+
+
+def flatten(cfg: DictConfig | dict, prefix: str = "") -> Dict[str, str]:
+    """Resolved config -> {"quant.scheme": "16a4w", ...} (lists as their YAML-ish repr)."""
+    container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(cfg) else cfg
+    out: Dict[str, str] = {}
+    for key, value in container.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = str(value)[:6000]  # MLflow's param value limit
+    return out
+
+
+class Tracker:
+    def __init__(self, cfg: TrackingConfig):
+        self.cfg = cfg
+        self.uri = resolve_uri(cfg)
+        self.run: Optional[mlflow.ActiveRun] = None
+
+    # ---- setup
+    def connect(self) -> str:
+        """Point MLflow at the store, check it answers, return the experiment id."""
+        mlflow.set_tracking_uri(self.uri)
+        if self.uri.startswith(("http://", "https://")):
+            self._check_server()
+        try:
+            experiment = mlflow.get_experiment_by_name(self.cfg.experiment)
+            if experiment is not None:
+                return experiment.experiment_id
+            artifact_location = None
+            if self.uri == embedded_store_uri():
+                artifact_location = (REPO_ROOT / "mlartifacts").as_uri()
+            return mlflow.create_experiment(self.cfg.experiment, artifact_location=artifact_location)
+        except Exception as exc:  # noqa: BLE001 - any store failure is the user's store, reported in one line
+            raise TrackingError(
+                f"MLflow store {self.uri} is not usable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
+                "check tracking.uri / MLFLOW_TRACKING_URI",
+            ) from exc
+
+    def _check_server(self) -> None:
+        import requests
+
+        try:
+            response = requests.get(self.uri.rstrip("/") + "/health", timeout=self.cfg.connect_timeout_s)
+            response.raise_for_status()
+        except Exception as exc:  # noqa: BLE001
+            raise TrackingError(
+                f"MLflow tracking server {self.uri} is unreachable ({type(exc).__name__})",
+                "start it (mlflow server --host 127.0.0.1 --port 5000) or unset tracking.uri / "
+                "MLFLOW_TRACKING_URI to use the embedded store",
+            ) from exc
+        # Fail fast later too, rather than retrying for minutes inside a long run.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+
+    def finished_run(self, config_hash: str) -> Optional[mlflow.entities.Run]:
+        """The latest FINISHED run of this config in the experiment (to skip it on a sweep's resume)."""
+        experiment_id = self.connect()
+        runs = mlflow.tracking.MlflowClient(self.uri).search_runs(
+            [experiment_id], filter_string=f"tags.config_hash = '{config_hash}' and attributes.status = 'FINISHED'",
+            order_by=["attributes.start_time DESC"], max_results=1,
+        )
+        return runs[0] if runs else None
+
+    # ---- run lifecycle
+    def start(self, run_name: Optional[str], tags: Dict[str, str]) -> str:
+        experiment_id = self.connect()
+        self.run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=tags)
+        log.info("MLflow run %s in %s (experiment %s)", self.run.info.run_id, self.uri, self.cfg.experiment)
+        return self.run.info.run_id
+
+    def finish(self) -> None:
+        if self.run is not None:
+            mlflow.end_run("FINISHED")
+            self.run = None
+
+    def fail(self, exc: BaseException) -> None:
+        """End the active run FAILED, with the error as a tag and the full traceback as an artifact."""
+        if self.run is None:
+            return
+        message = f"{type(exc).__name__}: {exc}"
+        try:
+            mlflow.set_tag("error", message[:5000])
+            mlflow.log_text("".join(traceback.format_exception(exc)), "error.txt")
+        finally:
+            mlflow.end_run("FAILED")
+            self.run = None
+
+    # ---- logging (thin, so stages do not import mlflow)
+    @staticmethod
+    def params(values: Dict[str, Any]) -> None:
+        items = list(values.items())
+        for start in range(0, len(items), 100):  # MLflow's batch limit
+            mlflow.log_params(dict(items[start : start + 100]))
+
+    @staticmethod
+    def tags(values: Dict[str, Any]) -> None:
+        mlflow.set_tags({k: str(v) for k, v in values.items()})
+
+    @staticmethod
+    def metrics(values: Dict[str, float]) -> None:
+        mlflow.log_metrics({k: float(v) for k, v in values.items() if v is not None})
+
+    @staticmethod
+    def text(content: str, path: str) -> None:
+        mlflow.log_text(content, path)
+
+    @staticmethod
+    def file(local_path: str | Path, artifact_dir: Optional[str] = None) -> None:
+        mlflow.log_artifact(str(local_path), artifact_dir)

@@ -1,0 +1,168 @@
+"""Multirun bookkeeping: one MLflow parent run per sweep, job status files, a summary at the end.
+
+Hydra runs the jobs (basic launcher in this process, joblib workers, submitit/SLURM processes); this module only
+connects them. The parent run is created by a Hydra callback in the launching process and its id is written to
+`<sweep dir>/qexp_sweep.json`. Every job, wherever it runs, reads that file, tags its run as a child
+(`mlflow.parentRunId`, the tag the MLflow UI nests by), and writes `<job dir>/qexp_job.json` with what became of it
+(finished, failed, skipped). At the end the callback counts those files onto the parent run, prints one summary
+line and exits non-zero if a job failed: every job ran, but the sweep is not clean.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import pandas as pd
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("qexp")
+
+SWEEP_FILE = "qexp_sweep.json"
+SWEEP_FILE_ENV = "QEXP_SWEEP_FILE"
+JOB_FILE = "qexp_job.json"
+PARENT_TAG = "mlflow.parentRunId"
+SWEEP_TAG = "qexp.sweep"  # on the parent and on every child: the sweep's name
+ROLE_TAG = "qexp.role"  # "sweep" on parent runs (reports leave them out)
+
+
+@dataclass
+class JobRecord:
+    status: str  # finished | failed | skipped
+    run_id: Optional[str] = None
+    config_hash: Optional[str] = None
+    overrides: str = ""
+    error: Optional[str] = None
+    seconds: float = 0.0
+
+
+@dataclass
+class SweepJob:
+    """What one job of a multirun knows about its sweep."""
+
+    name: str
+    parent_run_id: Optional[str]
+    num: int
+    output_dir: Path
+    overrides: List[str] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+
+    def tags(self) -> Dict[str, str]:
+        tags = {SWEEP_TAG: self.name, "qexp.sweep_job": str(self.num), "qexp.sweep_overrides": " ".join(self.overrides)}
+        if self.parent_run_id:
+            tags[PARENT_TAG] = self.parent_run_id
+        return tags
+
+    def record(self, status: str, run_id: Optional[str] = None, config_hash: Optional[str] = None,
+               error: Optional[str] = None) -> None:
+        record = JobRecord(status, run_id, config_hash, " ".join(self.overrides), error,
+                           round(time.time() - self.started, 1))
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / JOB_FILE).write_text(json.dumps(asdict(record), indent=1))
+
+
+def current_job(sweep_name: Optional[str] = None) -> Optional[SweepJob]:
+    """The running job's sweep, or None outside a Hydra multirun."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    # The launcher's environment points at the sweep file (absolute), whatever directory a launcher starts jobs in;
+    # the sweep dir is the fallback for launchers that do not pass the environment on.
+    sweep_file = Path(os.environ.get(SWEEP_FILE_ENV) or Path(hydra_cfg.sweep.dir).resolve() / SWEEP_FILE)
+    info = json.loads(sweep_file.read_text()) if sweep_file.exists() else {}
+    return SweepJob(
+        name=info.get("name") or sweep_name or "multirun",
+        parent_run_id=info.get("parent_run_id"),
+        num=int(hydra_cfg.job.num),
+        output_dir=Path(hydra_cfg.runtime.output_dir),
+        overrides=list(hydra_cfg.overrides.task),
+    )
+
+
+def sweep_name(config: DictConfig) -> str:
+    choice = OmegaConf.select(config, "hydra.runtime.choices.sweep")
+    return OmegaConf.select(config, "tracking.sweep") or choice or "multirun"
+
+
+def read_job_records(sweep_dir: Path) -> pd.DataFrame:
+    rows = []
+    for path in sorted(sweep_dir.glob(f"**/{JOB_FILE}")):
+        rows.append({"job_dir": str(path.parent.relative_to(sweep_dir)), **json.loads(path.read_text())})
+    columns = ["job_dir"] + list(JobRecord.__dataclass_fields__)
+    return pd.DataFrame(rows, columns=columns)
+
+
+class SweepCallback(Callback):
+    """Hydra callback (conf/config.yaml: hydra.callbacks.qexp_sweep): the parent run of a multirun."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from mlflow.tracking import MlflowClient
+
+        from qexp.tracking.store import Tracker
+
+        sweep_dir = Path(config.hydra.sweep.dir).resolve()
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        name = sweep_name(config)
+        tracker = Tracker(config.tracking)
+        experiment_id = tracker.connect()  # also the unreachable-server check, before any job starts
+        client = MlflowClient(tracker.uri)
+        command = "python -m qexp " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        sweep_params = OmegaConf.to_container(config.hydra.sweeper.get("params") or {}, resolve=False)
+        run = client.create_run(experiment_id, run_name=f"sweep:{name}", tags={
+            ROLE_TAG: "sweep", SWEEP_TAG: name, "sweep_dir": str(sweep_dir), "command": command,
+            "launcher": str(config.hydra.launcher.get("_target_", "")),
+        })
+        overrides = list(config.hydra.overrides.task)
+        client.log_param(run.info.run_id, "sweep.overrides", " ".join(overrides)[:6000])
+        client.log_param(run.info.run_id, "sweep.params", json.dumps(sweep_params)[:6000])
+        client.log_text(run.info.run_id, OmegaConf.to_yaml({
+            "command": command, "overrides": overrides, "sweeper_params": sweep_params,
+            "launcher": OmegaConf.to_container(config.hydra.launcher, resolve=False),
+        }), "sweep.yaml")
+        os.environ[SWEEP_FILE_ENV] = str(sweep_dir / SWEEP_FILE)  # inherited by joblib / submitit job processes
+        (sweep_dir / SWEEP_FILE).write_text(json.dumps({
+            "name": name, "parent_run_id": run.info.run_id, "tracking_uri": tracker.uri,
+            "experiment_id": experiment_id, "command": command,
+        }, indent=1))
+        self._start = time.time()
+        log.info("sweep %r: parent MLflow run %s, jobs in %s", name, run.info.run_id, sweep_dir)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from mlflow.tracking import MlflowClient
+
+        sweep_dir = Path(config.hydra.sweep.dir).resolve()
+        os.environ.pop(SWEEP_FILE_ENV, None)
+        info = json.loads((sweep_dir / SWEEP_FILE).read_text())
+        jobs = read_job_records(sweep_dir)
+        counts = {status: int((jobs["status"] == status).sum()) for status in ("finished", "failed", "skipped")}
+        client = MlflowClient(info["tracking_uri"])
+        parent = info["parent_run_id"]
+        for status, count in counts.items():
+            client.log_metric(parent, f"jobs_{status}", count)
+        client.log_metric(parent, "jobs_total", len(jobs))
+        client.log_metric(parent, "time_sweep_s", round(time.time() - getattr(self, "_start", time.time()), 1))
+        client.log_text(parent, jobs.to_csv(index=False), "jobs.csv")
+        if counts["failed"]:
+            failed = jobs[jobs["status"] == "failed"]
+            client.set_tag(parent, "error", "; ".join(f"[{r.overrides}] {r.error}" for r in failed.itertuples())[:5000])
+        client.set_terminated(parent, "FAILED" if counts["failed"] else "FINISHED")
+        summary = ", ".join(f"{count} {status}" for status, count in counts.items())
+        print(f"qexp: sweep {info['name']!r} ({len(jobs)} jobs): {summary}; parent run {parent}; "
+              f"table: python -m qexp.report --experiment {config.tracking.experiment} --sweep {info['name']}")
+        if counts["failed"]:
+            for row in jobs[jobs["status"] == "failed"].itertuples():
+                print(f"qexp: failed job [{row.overrides}]: {row.error}", file=sys.stderr)
+            sys.exit(1)

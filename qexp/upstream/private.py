@@ -1,0 +1,126 @@
+"""Every private ExecuTorch / torchao / torch API qexp reaches into, in one place.
+
+Each function here wraps a name with a leading underscore (or a private module such as `_passes`) that upstream may
+change without notice; the comment says why qexp needs it. When a version bump breaks one, this is the only file
+to fix. Public upstream names are re-exported by qexp/upstream/__init__.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from types import SimpleNamespace
+
+import torch
+
+
+# ---------------------------------------------------------------- torch
+def tree_leaves(tree):
+    """torch's pytree flattening (no public module in torch 2.13): the flat outputs of an exported graph."""
+    return torch.utils._pytree.tree_leaves(tree)
+
+
+# ---------------------------------------------------------------- torchao
+def _shallow_observer_kwargs(quant_spec):
+    """torchao's prepare builds observer kwargs with `deepcopy(asdict(spec))`, copying also the observer constructor
+    it then discards. QNN's constructors reach an fx graph, so every call deep-copied the whole graph: 38 of 59 s of
+    prepare_pt2e on SmolLM2. The other fields are immutable (dtype, ints, qscheme, floats): a field dict is the
+    same kwargs."""
+    return {f.name: getattr(quant_spec, f.name) for f in dataclasses.fields(quant_spec)}
+
+
+def speed_up_prepare() -> None:
+    """Replace torchao's private `prepare._get_observer_kwargs` with the shallow version above (same result)."""
+    from torchao.quantization.pt2e import prepare
+
+    prepare._get_observer_kwargs = _shallow_observer_kwargs
+
+
+# ---------------------------------------------------------------- ExecuTorch Qualcomm: passes
+def quantizer_keeping_hadamard_matmul(qnn_quantizer_cls):
+    """A QnnQuantizer subclass that leaves the R3 Hadamard rotation a plain matmul.
+
+    Upstream's HTP annotation passes (private `_passes`) include RecomposeHadamard, which (QNN >= 2.47) turns the
+    rotation into QNN's HadamardTransform op. With the QNN 2.49 x86 libraries, HTP graph preparation cannot build
+    the q-side one in an AR-N prefill graph (`could not create op: q::ConvLayer_s1.opt`), and the op accepts only
+    16-bit activations. Without the pass the rotation stays a matmul with the same weights: same math, buildable.
+    """
+    from executorch.backends.qualcomm._passes import RecomposeHadamard
+    from executorch.backends.qualcomm._passes.backends.htp.qnn_htp_pass_manager import QnnHtpPassManager
+
+    class PassesWithoutHadamardRecompose(QnnHtpPassManager):
+        @classmethod
+        def get_annotation_passes(cls):
+            return [p for p in super().get_annotation_passes() if p is not RecomposeHadamard]
+
+    class QnnQuantizerKeepingHadamardMatmul(qnn_quantizer_cls):
+        def transform_for_annotation(self, model):
+            return PassesWithoutHadamardRecompose().transform_for_annotation_pipeline(model)
+
+    return QnnQuantizerKeepingHadamardMatmul
+
+
+def quant_io_passes(meta: dict, arch: str, ar_len: int, context: int, kv_type: torch.dtype):
+    """The capture-program passes and their dependency table for one static-llama graph, with upstream's I/O tagging
+    rule (`TextDecoder._tag_ios`: which inputs/outputs stay quantized, the KV caches at `kv_type`) activated.
+    `_tag_ios` is a method of upstream's decoder wrapper; it reads only these attributes, fed here directly."""
+    from executorch.backends.qualcomm._passes import TagQuantIO
+    from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
+    from executorch.backends.qualcomm.utils.constants import (
+        QCOM_PASS_ACTIVATE_KEY,
+        QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY,
+    )
+    from executorch.examples.qualcomm.oss_scripts.llama.wrappers.llm_wrappers import TextDecoder
+
+    head_dim = meta["get_head_dim"]
+    shapes = SimpleNamespace(
+        meta=meta,
+        io_shape={(1, ar_len, meta["get_vocab_size"])},
+        kv_cache_shape={(head_dim, context), (context, head_dim), (head_dim, ar_len), (ar_len, head_dim)},
+        control_args=SimpleNamespace(decoder_model=arch),
+    )
+    manager = get_qnn_pass_manager_cls()
+    job = manager.get_capture_program_passes()
+    job[TagQuantIO][QCOM_PASS_ACTIVATE_KEY] = True
+    job[TagQuantIO][QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY]["get_quant_io_dtype_fn"] = partial(
+        TextDecoder._tag_ios, shapes, fixed_point_type={"kv_type": kv_type, "io_type": torch.uint16}
+    )
+    return job, manager.get_passes_dependency_for_capture_program()
+
+
+def executorch_backend_config():
+    """to_executorch settings for static-llama programs: the runner owns the graph inputs/outputs (not memory-planned)
+    and BuildQuantIo (private `_passes`) makes the tagged I/O really quantized."""
+    from executorch.backends.qualcomm._passes.build_quant_io import BuildQuantIo
+    from executorch.exir.capture._config import ExecutorchBackendConfig
+    from executorch.exir.passes.memory_planning_pass import MemoryPlanningPass
+
+    return ExecutorchBackendConfig(
+        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, alloc_graph_output=False),
+        passes=[BuildQuantIo()],
+    )
+
+
+# ---------------------------------------------------------------- ExecuTorch runtime (pybindings)
+def load_program(path: str):
+    """A .pte as an ExecuTorch module through the pybindings (`_load_for_executorch` is their only loader)."""
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch
+
+    return _load_for_executorch(str(path))
+
+
+def set_runtime_threads(threads: int) -> int:
+    """Size the pybindings' thread pool (XNNPACK kernels use it); returns the count in effect."""
+    from executorch.extension.pybindings import portable_lib
+
+    portable_lib._unsafe_reset_threadpool(int(threads))
+    return int(portable_lib._threadpool_get_thread_count())
+
+
+# ---------------------------------------------------------------- ExecuTorch LLM export
+def export_llama(llm_config) -> None:
+    """ExecuTorch's LLM export (`export_llama_lib._export_llama`, what the export_llama CLI calls) for a config
+    object, without going through its argument parser."""
+    from executorch.examples.models.llama.export_llama_lib import _export_llama
+
+    _export_llama(llm_config)
