@@ -19,9 +19,9 @@ from helpers import REPO, TINY
 SWEEP = ["+sweep=quant_grid", *TINY, "tracking.experiment=sweeptest"]
 
 
-def _multirun(args, cache_dir, store_uri, sweep_dir, timeout=600):
+def _multirun(args, cache_dir, store_uri, sweep_dir, timeout=600, sweep=SWEEP):
     env = {**os.environ, "QEXP_CACHE_DIR": str(cache_dir), "MLFLOW_TRACKING_URI": store_uri}
-    return subprocess.run([sys.executable, "-m", "qexp", *SWEEP, *args, f"hydra.sweep.dir={sweep_dir}"], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "qexp", *sweep, *args, f"hydra.sweep.dir={sweep_dir}"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -127,6 +127,34 @@ def test_submitit_local_launcher(cache_dir, store_uri, tmp_path):
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     # a new experiment, so nothing to skip: both ran, each in a process submitit started
     assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children)
+
+
+def test_ad_hoc_multirun_gets_its_parent_run(cache_dir, store_uri, tmp_path):
+    """`python -m qexp -m a=x,y` without a sweep file: the most common way to sweep gets the same bookkeeping."""
+    out = _multirun(["-m", *TINY, "eval.limit=2", "quant=fp32,16a8w", "tracking.experiment=sweeptest_adhoc"],
+                    cache_dir, store_uri, tmp_path / "adhoc", sweep=[])
+    assert out.returncode == 0 and "2 finished, 0 failed, 0 skipped" in out.stdout, out.stderr[-3000:]
+    assert "raised" not in out.stderr  # no callback warning from Hydra
+    _, runs = _runs(store_uri, "sweeptest_adhoc")
+    parent = _parent(runs, tmp_path / "adhoc")
+    assert parent.info.status == "FINISHED" and parent.data.tags["qexp.sweep"] == "multirun"
+    assert "quant=fp32,16a8w" in parent.data.params["sweep.overrides"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children)
+
+
+def test_failing_callback_fails_the_command_in_one_line(cache_dir, store_uri, tmp_path):
+    import socket
+
+    with socket.socket() as sock:  # a loopback port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = _multirun(["-m", *TINY, "quant=fp32,16a8w", f"tracking.uri=http://127.0.0.1:{port}"], cache_dir, store_uri,
+                    tmp_path / "unreachable", sweep=[])
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("qexp: error:")]
+    assert len(errors) == 1 and "on_multirun_start" in errors[0] and "unreachable" in errors[0]
+    assert not (tmp_path / "unreachable" / "0").exists()  # no job ran
 
 
 # ---------------------------------------------------------------- report

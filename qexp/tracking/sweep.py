@@ -105,9 +105,37 @@ def read_job_records(sweep_dir: Path) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=columns)
 
 
+def _fail_loudly(method):
+    """Hydra logs an exception raised in a callback as a warning and carries on, so the sweep's bookkeeping (parent
+    run, summary, exit status) would vanish silently. Any failure here ends the command instead: one line, exit 1
+    (exit 2 for the user's input or environment, e.g. an unreachable tracking server)."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(self, config: DictConfig, **kwargs: Any) -> None:
+        from qexp.errors import QexpError
+
+        try:
+            return method(self, config, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - reported in one line, then the command fails
+            print(f"qexp: error: sweep bookkeeping failed ({method.__name__}): {type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
+            sys.exit(2 if isinstance(exc, QexpError) else 1)
+
+    return wrapper
+
+
+def _sweeper_params(config: DictConfig) -> dict:
+    """The grid of a sweep file (hydra.sweeper.params); an ad-hoc `-m a=x,y` multirun has none (its grid is in the
+    overrides)."""
+    params = config.hydra.sweeper.get("params")
+    return OmegaConf.to_container(params, resolve=False) if OmegaConf.is_config(params) else dict(params or {})
+
+
 class SweepCallback(Callback):
     """Hydra callback (conf/config.yaml: hydra.callbacks.qexp_sweep): the parent run of a multirun."""
 
+    @_fail_loudly
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from mlflow.tracking import MlflowClient
 
@@ -120,7 +148,7 @@ class SweepCallback(Callback):
         experiment_id = tracker.connect()  # also the unreachable-server check, before any job starts
         client = MlflowClient(tracker.uri)
         command = "python -m qexp " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        sweep_params = OmegaConf.to_container(config.hydra.sweeper.get("params") or {}, resolve=False)
+        sweep_params = _sweeper_params(config)
         run = client.create_run(experiment_id, run_name=f"sweep:{name}", tags={
             ROLE_TAG: "sweep", SWEEP_TAG: name, "sweep_dir": str(sweep_dir), "command": command,
             "launcher": str(config.hydra.launcher.get("_target_", "")),
@@ -140,6 +168,7 @@ class SweepCallback(Callback):
         self._start = time.time()
         log.info("sweep %r: parent MLflow run %s, jobs in %s", name, run.info.run_id, sweep_dir)
 
+    @_fail_loudly
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from mlflow.tracking import MlflowClient
 
