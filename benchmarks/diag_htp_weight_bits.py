@@ -1,9 +1,11 @@
 """Diagnostic: how far HTP's integer kernels are from the QDQ (fake-quant) program for one linear layer, by weight bits.
 
 Takes one weight matrix of the model (default SmolLM2's layer-0 gate projection) and a Gaussian copy of it, quantizes
-a single linear layer with QnnQuantizer at 16a8w and 16a4w (per-channel weights), lowers it to HTP, runs it on the
-x86 HTP emulator and prints the SQNR of HTP vs QDQ and of both vs fp32. This is where the 16a4w HTP-vs-QDQ
-perplexity gap on SmolLM2 comes from (see README, "Measured here").
+a single linear layer (as the 1x1 conv the static llama runs) with QnnQuantizer at 16a8w and 16a4w (per-channel
+weights), lowers it to HTP, runs it on the x86 HTP emulator and prints the SQNR of HTP vs QDQ and of both vs fp32.
+This is where the 16a4w HTP-vs-QDQ perplexity gap on SmolLM2 comes from (see README, "Measured here"), and the
+regression check of its fix: `16a4w_lpbq` is the same 16a4w QDQ program lowered with qexp's default
+backend.w4_lowering=lpbq (measured: 67.0 dB per-channel -> 85.6 dB, as 16a8w's 86.0 dB).
 
     .venv/bin/python benchmarks/diag_htp_weight_bits.py [--weight layers.0.feed_forward.w1.weight] [overrides ...]
 """
@@ -11,6 +13,7 @@ perplexity gap on SmolLM2 comes from (see README, "Measured here").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import tempfile
@@ -33,6 +36,15 @@ def _channel_bias(error: torch.Tensor) -> float:
     """Share of the error's energy that is a constant offset per output channel (0: noise-like, 1: pure bias)."""
     per_channel_mean = error.mean(dim=0, keepdim=True)
     return (per_channel_mean.pow(2).sum() * error.shape[0] / error.pow(2).sum().clamp_min(1e-30)).item()
+
+
+class _OneLinear(torch.nn.Module):
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return self.linear(x)
 
 
 def main() -> None:
@@ -60,7 +72,8 @@ def main() -> None:
         generate_qnn_executorch_compiler_spec,
         to_edge_transform_and_lower_to_qnn,
     )
-    from qexp.upstream.private import load_program
+    from qexp import upstream
+    from qexp.upstream.private import load_program, lower_4bit_per_channel_as_lpbq
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     weight = load_model(cfg.model, cache).state_dict[args.weight].float()
@@ -73,18 +86,23 @@ def main() -> None:
     print(f"{cfg.model.name} {args.weight} {tuple(weight.shape)}, target=x86_emulator")
     with tempfile.TemporaryDirectory() as tmp:
         for source, w in weights.items():
-            for scheme in ("16a8w", "16a4w"):
-                layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).eval()
-                layer.weight.data = w.clone()
+            # 16a4w_lpbq: the same 16a4w QDQ program, its per-channel 4-bit weights lowered as LPBQ with one block
+            # per row (qexp's default HTP lowering, backend.w4_lowering=lpbq)
+            for scheme in ("16a8w", "16a4w", "16a4w_lpbq"):
+                linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).eval()
+                linear.weight.data = w.clone()
+                # as the static llama runs it: a 1x1 conv (HTP's Conv2d kernels; LPBQ lowers convolutions only)
+                layer = upstream.convert_linear_to_conv2d(_OneLinear(linear)).eval()
                 quantizer = QnnQuantizer(soc_model=soc)
-                quantizer.set_default_quant_config(getattr(QuantDtype, f"use_{scheme}"), is_linear_per_channel=True,
-                                                   is_conv_per_channel=True)
+                quantizer.set_default_quant_config(getattr(QuantDtype, f"use_{scheme.removesuffix('_lpbq')}"),
+                                                   is_linear_per_channel=True, is_conv_per_channel=True)
                 prepared = prepare_pt2e(torch.export.export(layer, x, strict=False).module(), quantizer)
                 for batch in calibration + [x[0]]:
                     prepared(batch)
                 qdq = convert_pt2e(prepared)
-                edge = to_edge_transform_and_lower_to_qnn(qdq, x, generate_qnn_executorch_compiler_spec(
-                    soc_model=soc, backend_options=generate_htp_compiler_spec(use_fp16=False)))
+                with lower_4bit_per_channel_as_lpbq() if scheme.endswith("_lpbq") else contextlib.nullcontext():
+                    edge = to_edge_transform_and_lower_to_qnn(qdq, x, generate_qnn_executorch_compiler_spec(
+                        soc_model=soc, backend_options=generate_htp_compiler_spec(use_fp16=False)))
                 pte = Path(tmp) / f"{source}_{scheme}.pte"
                 pte.write_bytes(edge.to_executorch().buffer)
                 with torch.no_grad():
@@ -97,7 +115,7 @@ def main() -> None:
                        "htp_error_mean_over_rms": (error.mean() / error.pow(2).mean().sqrt().clamp_min(1e-30)).item(),
                        "htp_error_channel_offset_share": _channel_bias(error)}
                 results.update({f"{source}_{scheme}_{k}": v for k, v in row.items()})
-                print(f"  {source:8s} {scheme}: HTP vs QDQ {row['htp_vs_qdq_db']:6.1f} dB | QDQ vs fp32 "
+                print(f"  {source:8s} {scheme:10s}: HTP vs QDQ {row['htp_vs_qdq_db']:6.1f} dB | QDQ vs fp32 "
                       f"{row['qdq_vs_fp_db']:5.1f} dB | HTP vs fp32 {row['htp_vs_fp_db']:5.1f} dB | HTP error: "
                       f"mean/rms {row['htp_error_mean_over_rms']:+.3f}, "
                       f"per-channel offset share {row['htp_error_channel_offset_share']:.3f}", flush=True)

@@ -127,6 +127,17 @@ def test_three_phases_in_one_run(compose, store_uri, mode, path):
     assert m["deployed_eval_tokens"] == (63 if path == "prefill" else 11)
 
 
+@pytest.mark.parametrize("scheme", ["8a8w", "8a4w", "16a16w", "16a4w", "16a4w_block"])
+def test_every_scheme_reaches_htp_and_matches_qdq(compose, scheme):
+    """Every scheme compiles from the calibration's encodings and runs: 8-bit activations keep 8-bit logits and mask
+    at the graph's edge (tagged uint16 they gave garbage, ppl 1e110), per-block weights carry their observers'
+    attribute statistics (without them convert failed: `Expecting original_dtype to be populated`)."""
+    from qexp.pipeline import run_experiment
+
+    m = run_experiment(compose(HTP_RUN + [f"quant={scheme}", "backend.model_mode=kv"])).metrics
+    assert abs(m["ppl_deployed_vs_qdq"]) < 0.03 and m["top1_agreement_deployed_vs_qdq"] > 0.7, m
+
+
 def test_unknown_soc_lists_valid(compose):
     from hydra.errors import ConfigCompositionException
 

@@ -81,8 +81,10 @@ def observer_statistics(prepared: torch.fx.GraphModule) -> dict:
     """Calibrated state of every observer of a prepared graph, with what it observes.
 
     Graphs of the same model with another AR length (the kv and prefill graphs of the deploy phase) have the same
-    observers; loading these statistics into them before convert_pt2e reproduces this calibration without
-    re-running it. Plain tensors and strings only, so it loads with weights_only=True.
+    observers; loading these statistics into them before convert_pt2e (`load_observer_statistics`) reproduces this
+    calibration without re-running it. Plain tensors and strings only, so it loads with weights_only=True. Besides
+    the state dict it keeps the statistics some observers hold as plain attributes (QNN's per-block weight observer
+    keeps min_val / max_val / original_dtype outside its state dict, and convert needs them).
     """
     stats = {}
     for node in prepared.graph.nodes:
@@ -91,9 +93,29 @@ def observer_statistics(prepared: torch.fx.GraphModule) -> dict:
         observer = getattr(prepared, node.target)
         source = node.args[0] if node.args else None
         stack = getattr(source, "meta", {}).get("nn_module_stack") if source is not None else None
+        state = {k: v.clone() for k, v in observer.state_dict().items()}
+        attributes = {k: getattr(observer, k).clone() for k in _ATTRIBUTE_STATISTICS
+                      if k not in state and isinstance(getattr(observer, k, None), torch.Tensor)}
+        if getattr(observer, "original_dtype", None) is not None:
+            attributes["original_dtype"] = str(observer.original_dtype).removeprefix("torch.")
         stats[node.target] = {
             "observes": getattr(source, "name", ""),
             "module": list(stack.values())[-1][0] if stack else "",
-            "state": {k: v.clone() for k, v in observer.state_dict().items()},
+            "state": state,
+            "attributes": attributes,
         }
     return stats
+
+
+_ATTRIBUTE_STATISTICS = ("min_val", "max_val")
+
+
+def load_observer_statistics(prepared: torch.fx.GraphModule, stats: dict) -> None:
+    """Put `observer_statistics` of a calibrated graph into the same observers of another prepared graph."""
+    for name, entry in stats.items():
+        observer = getattr(prepared, name)
+        observer.load_state_dict(entry["state"])
+        for key, value in entry.get("attributes", {}).items():
+            setattr(observer, key, getattr(torch, value) if key == "original_dtype" else value.clone())
+        if hasattr(observer, "calibrated"):  # per-block observers skip forward once calibrated
+            observer.calibrated = True

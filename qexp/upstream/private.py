@@ -7,6 +7,7 @@ to fix. Public upstream names are re-exported by qexp/upstream/__init__.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from functools import partial
 from types import SimpleNamespace
@@ -60,9 +61,10 @@ def quantizer_keeping_hadamard_matmul(qnn_quantizer_cls):
     return QnnQuantizerKeepingHadamardMatmul
 
 
-def quant_io_passes(meta: dict, arch: str, ar_len: int, context: int, kv_type: torch.dtype):
+def quant_io_passes(meta: dict, arch: str, ar_len: int, context: int, kv_type: torch.dtype, io_type: torch.dtype):
     """The capture-program passes and their dependency table for one static-llama graph, with upstream's I/O tagging
-    rule (`TextDecoder._tag_ios`: which inputs/outputs stay quantized, the KV caches at `kv_type`) activated.
+    rule (`TextDecoder._tag_ios`: which inputs/outputs stay quantized, the KV caches at `kv_type`, logits and mask
+    at `io_type`) activated.
     `_tag_ios` is a method of upstream's decoder wrapper; it reads only these attributes, fed here directly."""
     from executorch.backends.qualcomm._passes import TagQuantIO
     from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
@@ -83,7 +85,7 @@ def quant_io_passes(meta: dict, arch: str, ar_len: int, context: int, kv_type: t
     job = manager.get_capture_program_passes()
     job[TagQuantIO][QCOM_PASS_ACTIVATE_KEY] = True
     job[TagQuantIO][QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY]["get_quant_io_dtype_fn"] = partial(
-        TextDecoder._tag_ios, shapes, fixed_point_type={"kv_type": kv_type, "io_type": torch.uint16}
+        TextDecoder._tag_ios, shapes, fixed_point_type={"kv_type": kv_type, "io_type": io_type}
     )
     return job, manager.get_passes_dependency_for_capture_program()
 
@@ -124,3 +126,48 @@ def export_llama(llm_config) -> None:
     from executorch.examples.models.llama.export_llama_lib import _export_llama
 
     _export_llama(llm_config)
+
+
+# ---------------------------------------------------------------- ExecuTorch Qualcomm: 4-bit weight lowering
+@contextlib.contextmanager
+def lower_4bit_per_channel_as_lpbq():
+    """While active, QNN lowering encodes symmetric per-channel 4-bit weights as LPBQ (BLOCKWISE_EXPANSION) with one
+    block per output channel, instead of QNN's per-channel 4-bit encoding (BW_AXIS_SCALE_OFFSET).
+
+    Why: with 16-bit activations HTP's per-channel 4-bit kernels drop the accumulator's low 8 bits with a floor
+    before requantizing; with scales of absmax/7 one accumulator unit is large in output terms, and SmolLM2's 16a4w
+    landed +12% above its QDQ program. Through the LPBQ path the kernel sees 16 * w_q at scale / 16: the same
+    integers and the same effective scale (ExecuTorch's per-block config quantizes each block scale to
+    round(scale / (scale / 16)) = 16 exactly), so the QDQ program and the .pte size do not change.
+    Reaches ExecuTorch's NodeVisitor.make_qnn_per_channel_config / make_qnn_per_block_config (builders, no public
+    hook for the weight encoding).
+    """
+    from executorch.backends.qualcomm.builders.node_visitor import NodeVisitor
+    from executorch.backends.qualcomm.utils.constants import (
+        QCOM_DTYPE,
+        QCOM_QUANT_MAX,
+        QCOM_QUANT_MIN,
+        QCOM_SCALE,
+        QCOM_SCALES,
+        QCOM_ZERO_POINTS,
+    )
+
+    per_channel = NodeVisitor.make_qnn_per_channel_config
+
+    def make_config(self, node, quant_attrs):
+        four_bit = quant_attrs[QCOM_DTYPE] == torch.int8 and \
+            quant_attrs[QCOM_QUANT_MAX] - quant_attrs[QCOM_QUANT_MIN] <= 15
+        zero_points = torch.as_tensor(quant_attrs[QCOM_ZERO_POINTS])
+        user = self.get_first_user(node)
+        # Convolutions only (the static llama's linears are 1x1 convs): QNN 2.49's HTP cannot prepare a block-wise
+        # FullyConnected (`no properties registered for q::GenPad`).
+        if not (four_bit and bool((zero_points == 0).all()) and "convolution" in str(user.target)):
+            return per_channel(self, node, quant_attrs)
+        scales = torch.as_tensor(quant_attrs[QCOM_SCALES], dtype=torch.float32).reshape(-1, 1)
+        return self.make_qnn_per_block_config(node, {**quant_attrs, QCOM_SCALE: scales})
+
+    NodeVisitor.make_qnn_per_channel_config = make_config
+    try:
+        yield
+    finally:
+        NodeVisitor.make_qnn_per_channel_config = per_channel

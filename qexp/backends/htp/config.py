@@ -29,6 +29,14 @@ class Target(enum.Enum):
     android = "android"  # a phone over adb with a user-built qnn_llama_runner
 
 
+class W4Lowering(enum.Enum):
+    """How per-channel 4-bit weights (16a4w, 8a4w) are encoded for HTP. Same integers and effective scales either
+    way (the QDQ program and the .pte size do not change); the kernels differ."""
+
+    lpbq = "lpbq"  # LPBQ with one block per output channel: HTP's block-wise kernels (SM8550/8650/8750: V73+)
+    per_channel = "per_channel"  # QNN's per-channel 4-bit encoding: HTP truncates its accumulator (+12% on SmolLM2)
+
+
 class KvUpdate(enum.Enum):
     smart_mask = "smart_mask"  # write each new token's K/V at its position and unmask it (what upstream ships)
     shift_pointer = "shift_pointer"  # slide the cache window by advancing its start pointer
@@ -51,6 +59,7 @@ class HtpConfig(BackendConfig):
     prefill_ar_len: int = 32  # tokens per prefill_forward call (hybrid / lookahead, and on-target perplexity)
     max_seq_len: int = 256  # context of the deployed graphs; must equal export.max_context_len (the calibration)
     kv_update: KvUpdate = KvUpdate.smart_mask
+    w4_lowering: W4Lowering = W4Lowering.lpbq
     target: Target = Target.x86_emulator
     pte_path: Optional[str] = None  # run this pre-generated .pte instead of compiling
     # On-target perplexity is scored on a head of the evaluation windows: this many tokens through the AR-N prefill

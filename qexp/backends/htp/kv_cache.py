@@ -16,7 +16,6 @@ from typing import List, Sequence
 
 import torch
 
-ATTEND, MASKED = 65535, 0
 
 
 @dataclass
@@ -53,10 +52,11 @@ class SmartMaskCache:
     def inputs(self):
         return [*self.k, *self.v]
 
-    def mask_row(self, context: int) -> torch.Tensor:
-        """Mask over [cache | new token(s)] for the current step (cache part only; caller adds the new block)."""
-        row = torch.full((context,), MASKED, dtype=torch.uint16)
-        row[: self.n_past] = ATTEND
+    def attended(self, context: int) -> torch.Tensor:
+        """Which slots of [cache | new token(s)] the current step attends to (cache part only; the caller adds the
+        new block)."""
+        row = torch.zeros(context, dtype=torch.bool)
+        row[: self.n_past] = True
         return row
 
     def update(self, k_out, v_out, n_new: int, rows: Sequence[int] | None = None) -> None:
@@ -104,10 +104,10 @@ class ShiftPointerCache:
             self._v_view(i).contiguous() for i in range(len(self.v_flat))
         ]
 
-    def mask_row(self, context: int) -> torch.Tensor:
-        row = torch.full((context,), MASKED, dtype=torch.uint16)
+    def attended(self, context: int) -> torch.Tensor:
+        row = torch.zeros(context, dtype=torch.bool)
         if self.n_past:
-            row[self.cache_len - self.n_past : self.cache_len] = ATTEND  # the newest n_past slots, at the end
+            row[self.cache_len - self.n_past : self.cache_len] = True  # the newest n_past slots, at the end
         return row
 
     def update(self, k_out, v_out, n_new: int, rows: Sequence[int] | None = None) -> None:

@@ -13,6 +13,7 @@ state instead, which needs no node matching beyond the observers' own (identical
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -22,16 +23,27 @@ from typing import Dict
 
 import torch
 
-from qexp.backends.htp.config import ModelMode
+from qexp.backends.htp.config import ModelMode, W4Lowering
 from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
 from qexp.cache import Cache, stable_hash
 from qexp.errors import ConfigError
 from qexp.models.loaded import LoadedModel
 from qexp.models.static_llama import StaticLlama
-from qexp.quant.calibrate import EXPORT_STRICT, OBSERVERS, QuantizedModel, observer_statistics
+from qexp.quant.calibrate import (
+    EXPORT_STRICT,
+    OBSERVERS,
+    QuantizedModel,
+    load_observer_statistics,
+    observer_statistics,
+)
 from qexp.quant.recipe import make_quantizer
 from qexp.timing import StageTimer
-from qexp.upstream.private import executorch_backend_config, quant_io_passes, tree_leaves
+from qexp.upstream.private import (
+    executorch_backend_config,
+    lower_4bit_per_channel_as_lpbq,
+    quant_io_passes,
+    tree_leaves,
+)
 
 log = logging.getLogger("qexp")
 
@@ -39,7 +51,7 @@ KV_GRAPH = "kv_forward"
 PREFILL_GRAPH = "prefill_forward"
 PTE_FILE = "model.pte"
 META_FILE = "meta.json"
-_LOWER_CACHE_VERSION = 1
+_LOWER_CACHE_VERSION = 2  # 2: I/O bit widths from the encodings
 
 
 def graph_ar_lens(backend) -> Dict[str, int]:
@@ -52,9 +64,9 @@ def graph_ar_lens(backend) -> Dict[str, int]:
     return {KV_GRAPH: 2 ** math.ceil(math.log2(max(width, 1))), PREFILL_GRAPH: int(backend.prefill_ar_len)}
 
 
-def kv_io_bits(quant) -> int:
-    """Bit width of the KV cache I/O, as upstream's StaticLLMQuantRecipe.get_kv_io_bit_width decides it."""
-    return 8 if quant.scheme == "8a8w" or "annotate_kv_8bit" in list(quant.custom_annotations) else 16
+def io_bits(qrange) -> int:
+    """Bit width of a graph edge from its encoding's [qmin, qmax]: 8 or 16 (what the runner feeds and reads)."""
+    return 8 if qrange[1] <= 255 else 16
 
 
 @dataclass
@@ -90,9 +102,7 @@ def quantized_graph(
             "so its encodings cannot be transferred",
             hint,
         )
-    names = own.keys()
-    for name in names:
-        getattr(prepared, name).load_state_dict(stats[name]["state"])
+    load_observer_statistics(prepared, stats)
     _tie_cache_inputs_to_outputs(prepared, static.n_layers)
     with torch.no_grad():
         return convert_pt2e(prepared), static
@@ -115,15 +125,23 @@ def io_encodings(converted: torch.fx.GraphModule, n_layers: int) -> dict:
     """Scale/zero point of the logits output and of every cache input (what the runner quantizes/dequantizes)."""
     placeholders = [n for n in converted.graph.nodes if n.op == "placeholder"]
 
+    def input_quantize(node):
+        return next(u for u in node.users if "quantize_per_tensor" in str(u.target))
+
     def input_qparams(node):
-        q = next(u for u in node.users if "quantize_per_tensor" in str(u.target))
+        q = input_quantize(node)
         return [float(q.args[1]), int(q.args[2])]
 
     output = next(n for n in converted.graph.nodes if n.op == "output")
     logits = tree_leaves(output.args[0])[0]
+    mask = input_quantize(placeholders[1])
     return {
         "logits": [float(logits.args[1]), int(logits.args[2])],
+        "logits_range": [int(logits.args[3]), int(logits.args[4])],
         "mask": input_qparams(placeholders[1]),
+        "mask_range": [int(mask.args[3]), int(mask.args[4])],
+        "kv_range": [int(input_quantize(placeholders[-n_layers]).args[3]),
+                     int(input_quantize(placeholders[-n_layers]).args[4])],
         "k": [input_qparams(n) for n in placeholders[-2 * n_layers : -n_layers]],
         "v": [input_qparams(n) for n in placeholders[-n_layers:]],
     }
@@ -139,7 +157,7 @@ def compile_pte(
     ar_lens = graph_ar_lens(backend)
     key = stable_hash({
         "version": _LOWER_CACHE_VERSION, "qdq": qdq.key, "soc": backend.soc.value, "ar_lens": ar_lens,
-        "context": context, "qnn": sdk.version, "versions": versions,
+        "context": context, "w4_lowering": backend.w4_lowering.value, "qnn": sdk.version, "versions": versions,
     }, length=24)
 
     def build(tmp: Path) -> dict:
@@ -148,11 +166,11 @@ def compile_pte(
         first = next(iter(graphs.values()))
         constant_methods = {k: v for k, v in first["meta"].items() if k != "get_ar_len"}
         constant_methods["get_logits_scale"], constant_methods["get_logits_zero_point"] = first["encodings"]["logits"]
-        buffer, delegation = _lower(graphs, constant_methods, timer)
+        buffer, delegation = _lower(graphs, constant_methods, timer, backend.w4_lowering == W4Lowering.lpbq)
         (tmp / PTE_FILE).write_bytes(buffer)
         meta = {
             "graphs": ar_lens, "context": context, "n_layers": model.params["n_layers"],
-            "kv_bits": kv_io_bits(cfg.quant),
+            "kv_bits": io_bits(first["encodings"]["kv_range"]),
             "encodings": {name: g["encodings"] for name, g in graphs.items()}, "delegation": delegation,
             "soc": backend.soc.value, "qnn": sdk.version, "qdq_key": qdq.key,
         }
@@ -181,8 +199,13 @@ def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, sta
             model, context, ar_len, r3, cfg.quant, cfg.observer, stats, cfg.model.recompose_hadamard, backend.soc.value
         )
     meta = static.module.get_metadata()
-    kv_type = torch.uint8 if kv_io_bits(cfg.quant) == 8 else torch.uint16
-    passes, deps = quant_io_passes(meta, cfg.model.arch, ar_len, context, kv_type)
+    encodings = io_encodings(converted, static.n_layers)
+    # The KV caches, logits and mask keep the bit width of their own encodings at the graph's edge. Upstream decides
+    # it from the recipe (16-bit I/O unless 8a8w or annotate_kv_8bit), which fits its recipes only: an 8-bit output
+    # tagged uint16 gave garbage logits (8a8w: ppl 1e110), and 8a4w's 8-bit caches tagged uint16 top-1 0.09.
+    kv_type = torch.uint8 if io_bits(encodings["kv_range"]) == 8 else torch.uint16
+    io_type = torch.uint8 if io_bits(encodings["logits_range"]) == 8 else torch.uint16
+    passes, deps = quant_io_passes(meta, cfg.model.arch, ar_len, context, kv_type, io_type)
     spec = generate_qnn_executorch_compiler_spec(
         soc_model=getattr(upstream.QcomChipset, backend.soc.value),
         backend_options=generate_htp_compiler_spec(use_fp16=False, use_weight_sharing=False),
@@ -190,15 +213,16 @@ def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, sta
         use_mha2sha=True,
     )
     return {"module": converted, "inputs": static.example_inputs(), "passes": passes, "deps": deps, "spec": spec,
-            "meta": meta, "encodings": io_encodings(converted, static.n_layers)}
+            "meta": meta, "encodings": encodings}
 
 
-def _lower(graphs: dict, constant_methods: dict, timer: StageTimer):
+def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: bool):
     """All graphs into one HTP-delegated program -> (.pte bytes, delegated / non-delegated node counts per graph)."""
     from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
     from executorch.devtools.backend_debug import get_delegation_info
 
-    with timer.stage("lower"):
+    w4_encoding = lower_4bit_per_channel_as_lpbq() if w4_as_lpbq else contextlib.nullcontext()
+    with timer.stage("lower"), w4_encoding:
         edge = to_edge_transform_and_lower_to_qnn(
             module={n: g["module"] for n, g in graphs.items()}, inputs={n: g["inputs"] for n, g in graphs.items()},
             compiler_specs={n: g["spec"] for n, g in graphs.items()}, constant_methods=constant_methods,

@@ -1,8 +1,9 @@
 """Run a static-llama HTP .pte through the ExecuTorch pybindings (on this machine: the x86_64 HTP emulator).
 
-Inputs are quantized as the graphs expect: int32 tokens and positions, a uint16 attention mask (65535 = attend,
-0 = masked), uint8/uint16 KV caches (K as (1, n_kv, head_dim, cache_len), V as (1, n_kv, cache_len, head_dim));
-logits come back uint16 and are dequantized with the logits scale and zero point.
+Inputs are quantized as the graphs expect: int32 tokens and positions, an attention mask quantized with the mask
+input's encoding (the float mask is 0 to attend and -255 to mask: uint16 65535 / 0 with 16-bit activations, uint8
+255 / 0 with 8-bit ones), uint8/uint16 KV caches (K as (1, n_kv, head_dim, cache_len), V as (1, n_kv, cache_len,
+head_dim)); logits come back at the I/O bit width and are dequantized with the logits scale and zero point.
 The KV caches are updated by one of the two mechanisms in qexp/backends/htp/kv_cache.py.
 
 Decoding is greedy (one token per kv_forward call) or, in model_mode=lookahead, lookahead decoding
@@ -18,13 +19,28 @@ from typing import List, Sequence
 
 import torch
 
-from qexp.backends.htp.kv_cache import ATTEND, MASKED, UPDATERS, UpdateStats
+from qexp.backends.htp.kv_cache import UPDATERS, UpdateStats
 from qexp.backends.htp.lookahead import LookaheadLayout, lookahead_decode
 from qexp.backends.htp.lower import KV_GRAPH, PREFILL_GRAPH, DeployedProgram
 from qexp.backends.speed import Generation, measure
 from qexp.upstream.private import load_program
 
 log = logging.getLogger("qexp")
+
+
+PADDING_MASK_VALUE = -255.0  # the static llama's float mask: 0 attends, this masks (upstream masking_utils)
+
+
+def mask_values(encodings: dict) -> tuple:
+    """(attend, masked, dtype) of the quantized mask input: 0.0 and PADDING_MASK_VALUE through its encoding.
+    Programs compiled before the encoding recorded its range are 16-bit (65535 / 0)."""
+    scale, zero_point = encodings["mask"]
+    qmin, qmax = encodings.get("mask_range", (0, 65535))
+
+    def quantize(value: float) -> int:
+        return int(min(max(round(value / scale) + zero_point, qmin), qmax))
+
+    return quantize(0.0), quantize(PADDING_MASK_VALUE), torch.uint8 if qmax <= 255 else torch.uint16
 
 
 class HtpRunner:
@@ -38,6 +54,7 @@ class HtpRunner:
         k_sizes = kv_meta.input_tensor_meta(3).sizes()  # (1, n_kv, head_dim, cache_len)
         self.n_kv, self.head_dim = int(k_sizes[1]), int(k_sizes[2])
         self.dtype = torch.uint8 if int(self.meta["kv_bits"]) == 8 else torch.uint16
+        self.mask_values = {graph: mask_values(enc) for graph, enc in self.meta["encodings"].items()}
 
     # ---- helpers
     def ar_len(self, graph: str) -> int:
@@ -56,11 +73,11 @@ class HtpRunner:
         padded = torch.zeros((1, ar), dtype=torch.int32)
         padded[0, : len(tokens)] = torch.as_tensor(list(tokens), dtype=torch.int32)
         cache_len = self.context - ar
-        mask = torch.full((1, 1, ar, self.context), MASKED, dtype=torch.uint16)
-        mask[0, 0, :, :cache_len] = cache.mask_row(self.context)[:cache_len]
-        if block_mask is None:
-            block_mask = torch.tril(torch.ones(ar, ar, dtype=torch.bool))
-        mask[0, 0, :, cache_len:] = torch.where(block_mask, ATTEND, MASKED).to(torch.uint16)
+        attend = torch.zeros((ar, self.context), dtype=torch.bool)
+        attend[:, :cache_len] = cache.attended(self.context)[:cache_len]
+        attend[:, cache_len:] = torch.tril(torch.ones(ar, ar, dtype=torch.bool)) if block_mask is None else block_mask
+        attend_value, masked_value, dtype = self.mask_values[graph]
+        mask = torch.where(attend, attend_value, masked_value).to(dtype).reshape(1, 1, ar, self.context)
         if positions is None:
             positions = cache.n_past + torch.arange(ar, dtype=torch.int32)
         positions = torch.as_tensor(positions, dtype=torch.int32).reshape(1, ar)

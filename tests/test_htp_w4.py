@@ -1,0 +1,82 @@
+"""HTP's 4-bit weight lowering: per-channel 4-bit weights lowered as LPBQ with one block per row (qexp's default,
+backend.w4_lowering=lpbq) follow their QDQ program as closely as 8-bit weights do; QNN's per-channel 4-bit kernels
+truncate the accumulator and lose ~19 dB (benchmarks/diag_htp_weight_bits.py measures it on SmolLM2's weights).
+
+One 1x1 conv layer (the static llama's linears are 1x1 convs), Gaussian weights, on the x86 HTP emulator."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+
+def _sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
+    noise = (reference.double() - test.double()).pow(2).mean().item()
+    return math.inf if noise == 0 else 10 * math.log10(reference.double().pow(2).mean().item() / noise)
+
+
+@pytest.fixture(scope="module")
+def layer_and_qdq(cache_dir):
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from qexp import upstream
+    from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
+    from qexp.cache import Cache
+
+    ensure_qnn_sdk(Cache(cache_dir))
+    generator = torch.Generator().manual_seed(0)
+    conv = torch.nn.Conv2d(256, 128, kernel_size=1, bias=False).eval()
+    conv.weight.data = torch.randn(128, 256, 1, 1, generator=generator) * 0.05
+    x = (torch.randn(1, 256, 1, 16, generator=generator),)
+    quantizer = upstream.QnnQuantizer(soc_model=upstream.QcomChipset.SM8650)
+    quantizer.set_default_quant_config(upstream.QuantDtype.use_16a4w, is_conv_per_channel=True)
+    prepared = prepare_pt2e(torch.export.export(conv, x, strict=False).module(), quantizer)
+    for _ in range(4):
+        prepared(torch.randn(1, 256, 1, 16, generator=generator))
+    prepared(*x)
+    return convert_pt2e(prepared), x
+
+
+def _run_on_htp(qdq, x, tmp_path, lpbq: bool):
+    from executorch.backends.qualcomm.utils.utils import (
+        generate_htp_compiler_spec,
+        generate_qnn_executorch_compiler_spec,
+        to_edge_transform_and_lower_to_qnn,
+    )
+
+    from qexp import upstream
+    from qexp.upstream.private import load_program, lower_4bit_per_channel_as_lpbq
+
+    spec = generate_qnn_executorch_compiler_spec(soc_model=upstream.QcomChipset.SM8650,
+                                                 backend_options=generate_htp_compiler_spec(use_fp16=False))
+    with lower_4bit_per_channel_as_lpbq() if lpbq else contextlib.nullcontext():
+        edge = to_edge_transform_and_lower_to_qnn(qdq, x, spec)
+    pte = tmp_path / f"lpbq_{lpbq}.pte"
+    pte.write_bytes(edge.to_executorch().buffer)
+    return load_program(pte).forward(x)[0], pte.stat().st_size
+
+
+def test_lpbq_lowering_follows_the_qdq_program(layer_and_qdq, tmp_path):
+    qdq, x = layer_and_qdq
+    with torch.no_grad():
+        reference = qdq(*x)
+    per_channel, size_per_channel = _run_on_htp(qdq, x, tmp_path, lpbq=False)
+    lpbq, size_lpbq = _run_on_htp(qdq, x, tmp_path, lpbq=True)
+    sqnr_per_channel, sqnr_lpbq = _sqnr_db(reference, per_channel), _sqnr_db(reference, lpbq)
+    assert sqnr_lpbq > 80 and sqnr_lpbq > sqnr_per_channel + 10, (sqnr_lpbq, sqnr_per_channel)
+    assert size_lpbq < 1.1 * size_per_channel  # the same 4-bit storage, plus one block scale per row
+
+
+def test_lpbq_patch_is_scoped():
+    """The lowering patch is active only inside its context: other lowerings in the process are untouched."""
+    from executorch.backends.qualcomm.builders.node_visitor import NodeVisitor
+
+    from qexp.upstream.private import lower_4bit_per_channel_as_lpbq
+
+    original = NodeVisitor.make_qnn_per_channel_config
+    with lower_4bit_per_channel_as_lpbq():
+        assert NodeVisitor.make_qnn_per_channel_config is not original
+    assert NodeVisitor.make_qnn_per_channel_config is original
