@@ -179,6 +179,8 @@ class QexpConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     # Where derived artifacts (dequantized models, calibrated programs) are cached, content-addressed.
     cache_dir: str = MISSING
+    # Show native libraries' output (QNN compile progress, runtime INFO lines) live instead of only in native.log.
+    verbose: bool = False
 
 
 def register_configs() -> None:

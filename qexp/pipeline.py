@@ -23,7 +23,7 @@ from qexp.backends import Backend, QdqPhase, get_backend
 from qexp.cache import Cache
 from qexp.config import NO_QUANT
 from qexp.errors import ConfigError
-from qexp.provenance import config_hash, environment_tags
+from qexp.provenance import config_hash, environment_tags, pin_cpu_numerics
 from qexp.timing import StageTimer, peak_rss_mb
 from qexp.tracking.runlog import captured_log
 from qexp.tracking.store import Tracker, flatten
@@ -167,6 +167,7 @@ def execute(state: RunState) -> ExperimentResult:
     """Every stage in order -> the run's metrics and tags."""
     from qexp.stages import STAGE_FUNCTIONS
 
+    state.tags.update(pin_cpu_numerics())
     for name in STAGES:
         STAGE_FUNCTIONS[name](state)
     state.log_text(pd.DataFrame(state.per_window).to_csv(index=False), "eval/per_window.csv")
@@ -183,6 +184,7 @@ def prepare(cfg: DictConfig, through: str = "qdq") -> RunState:
     if through not in STAGES:
         raise ValueError(f"unknown stage {through!r}; stages: {', '.join(STAGES)}")
     state = RunState(cfg, validate(cfg))
+    state.tags.update(pin_cpu_numerics())
     for name in STAGES[: STAGES.index(through) + 1]:
         STAGE_FUNCTIONS[name](state)
     return state

@@ -24,7 +24,7 @@ QDQ_CACHE_VERSION = 2
 def config_hash(cfg: DictConfig) -> str:
     """Hash of everything that determines a run's results (not where it is tracked or cached)."""
     container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    for volatile in ("tracking", "cache_dir"):
+    for volatile in ("tracking", "cache_dir", "verbose"):
         container.pop(volatile, None)
     return stable_hash(container, length=16)
 
@@ -81,11 +81,31 @@ def environment_tags() -> Dict[str, str]:
     }
 
 
+def pin_cpu_numerics() -> Dict[str, str]:
+    """Put PyTorch's CPU numerics in one state for the whole run, whatever ran before, and say which (run tags).
+
+    QnnQuantizer's constructor turns PyTorch's MKLDNN backend off on AMD hosts (a global flag, against a crash there).
+    A run that calibrated therefore evaluated its QDQ program without MKLDNN, and a run that found the program in
+    the cache evaluated it with MKLDNN: SmolLM2 16a4w gave ppl 47.291 cold and 47.252 warm on the same AMD host, and
+    Intel hosts never turn it off. qexp turns it off on every host before the first stage: every phase, cold or
+    warm, on AMD or Intel, runs the same (non-MKLDNN) CPU kernels.
+    """
+    import torch
+
+    torch.backends.mkldnn.enabled = False
+    return {"numerics.mkldnn": "off", "numerics.torch_threads": str(torch.get_num_threads()),
+            "numerics.cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+NUMERICS_KEY = "mkldnn-off"  # part of the keys of cached results computed on the CPU (bump with pin_cpu_numerics)
+
+
 def fp_eval_key(cfg: DictConfig, model, static, windows, keep_logits: int) -> str:
     """The FP phase of one model on one set of windows (shared by every run and sweep job that asks for it)."""
     return stable_hash({"model": model.fingerprint, "arch": cfg.model.arch, "r3": static.r3,
                         "context": cfg.export.max_context_len, "windows": windows.sha256,
-                        "keep_logits": keep_logits, "versions": library_versions()}, length=24)
+                        "keep_logits": keep_logits, "numerics": NUMERICS_KEY, "versions": library_versions()},
+                       length=24)
 
 
 def qdq_cache_key(cfg: DictConfig, model, static, calibration, soc: str) -> str:
@@ -101,5 +121,6 @@ def qdq_cache_key(cfg: DictConfig, model, static, calibration, soc: str) -> str:
         "observer": OmegaConf.to_container(cfg.observer, resolve=True, enum_to_str=True),
         "calibration": calibration.sha256,
         "soc": soc,
+        "numerics": NUMERICS_KEY,  # calibration runs the model eagerly on the CPU
         "versions": library_versions(),
     }, length=24)

@@ -157,9 +157,19 @@ def deploy(state) -> None:
     """The backend's phase; its log-likelihoods are compared with FP and QDQ on exactly the windows it scored."""
     if not state.backend.deploys:
         return
+    from qexp.tracking.runlog import native_output_captured
+
     inputs = PhaseInputs(state.cfg, state.deploy_model, state.windows, state.fp, state.qdq, state.cache, state.timer,
                          library_versions())
-    result = state.backend.run(inputs)
+    log.info("stage deploy (%s): native library output goes to the run's native.log (verbose=true shows it)",
+             state.cfg.backend.name)
+    native = None
+    try:
+        with native_output_captured(enabled=not state.cfg.verbose) as native:
+            result = state.backend.run(inputs)
+    finally:
+        if native is not None and native.getvalue():
+            state.log_text(native.getvalue(), "native.log")
     state.metrics.update(result.metrics)
     state.tags.update({"deployed_phase": state.cfg.backend.name, **result.tags})
     for path, content in result.texts.items():

@@ -45,3 +45,23 @@ def test_tiny_experiment_runs(cache_dir, store_uri):
     out = _qexp(TINY + ["quant=16a4w"], cache_dir, store_uri)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ppl_fp=" in out.stdout and "ppl_qdq=" in out.stdout
+
+
+HTP_SMALL = ["backend=htp", "backend.prefill_ar_len=16", "backend.eval_tokens=64", "backend.bench.prompt_len=8",
+             "backend.bench.repeats=1", "backend.bench.warmup=0"]
+
+
+def test_native_output_goes_to_the_run_not_the_terminal(cache_dir, store_uri, tmp_path):
+    """QNN's compile progress and ExecuTorch's runtime INFO lines land in the run's native.log artifact; the
+    terminal keeps qexp's own lines. verbose=true shows them live."""
+    from mlflow.tracking import MlflowClient
+
+    quiet = _qexp(TINY + ["quant=16a8w", "backend.model_mode=kv", *HTP_SMALL], cache_dir, store_uri)
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    terminal = quiet.stdout + quiet.stderr
+    assert "[Qnn ExecuTorch]" not in terminal and "qexp: run " in quiet.stdout
+    run_id = quiet.stdout.split("qexp: run ")[1].split()[0]
+    native = MlflowClient(store_uri).download_artifacts(run_id, "native.log", str(tmp_path))
+    assert "[Qnn ExecuTorch]" in open(native).read()
+    loud = _qexp(TINY + ["quant=16a8w", "backend.model_mode=kv", *HTP_SMALL, "verbose=true"], cache_dir, store_uri)
+    assert loud.returncode == 0 and "[Qnn ExecuTorch]" in loud.stdout + loud.stderr

@@ -1,10 +1,14 @@
-"""The run.log artifact: everything qexp's logger says during one run, captured in memory and logged at the end."""
+"""The run.log artifact (everything qexp's logger says during one run) and native.log (what native libraries
+print while a backend runs), captured and logged with the run."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import logging
+import os
+import sys
+import tempfile
 from typing import Iterator
 
 
@@ -23,3 +27,44 @@ def captured_log() -> Iterator[io.StringIO]:
         yield buffer
     finally:
         logger.removeHandler(handler)
+
+
+@contextlib.contextmanager
+def native_output_captured(enabled: bool = True) -> Iterator[io.StringIO]:
+    """Send what native libraries print (QNN's compile progress, ExecuTorch's runtime INFO lines: tens of thousands
+    of lines for one SmolLM2 compile) to a buffer instead of the terminal, at the file-descriptor level, so C++
+    output is caught too. The buffer becomes the run's `native.log` artifact: nothing is lost. Python's own output
+    (qexp's log lines, progress bars) keeps going to the terminal: its handlers and sys.stdout/sys.stderr are pointed
+    at copies of the terminal's descriptors meanwhile. With `enabled=False` (config `verbose=true`) everything goes
+    to the terminal live and the buffer stays empty."""
+    buffer = io.StringIO()
+    if not enabled:
+        yield buffer
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    terminal = {fd: os.fdopen(os.dup(saved[fd]), "w", buffering=1, encoding="utf-8", errors="replace")
+                for fd in (1, 2)}
+    python_streams = {id(sys.stdout): terminal[1], id(sys.stderr): terminal[2]}
+    handlers = [h for logger in (logging.getLogger(), logging.getLogger("qexp")) for h in logger.handlers
+                if isinstance(h, logging.StreamHandler) and id(h.stream) in python_streams]
+    previous = {"stdout": sys.stdout, "stderr": sys.stderr,
+                "handlers": [(h, h.setStream(python_streams[id(h.stream)])) for h in handlers]}
+    sys.stdout, sys.stderr = terminal[1], terminal[2]
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        try:
+            for fd in (1, 2):
+                os.dup2(sink.fileno(), fd)
+            yield buffer
+        finally:
+            sys.stdout, sys.stderr = previous["stdout"], previous["stderr"]
+            for handler, stream in previous["handlers"]:
+                handler.setStream(stream)
+            for fd, copy in saved.items():
+                terminal[fd].flush()
+                terminal[fd].close()
+                os.dup2(copy, fd)
+                os.close(copy)
+            sink.seek(0)
+            buffer.write(sink.read().decode("utf-8", errors="replace"))
