@@ -55,8 +55,8 @@ def test_default_experiment_end_to_end(compose, store_uri):
     assert run.data.params["quant.scheme"] == "16a4w"
     # the HTP phase: the prefill graph built (R3 kept as matmul) and agrees with the CPU QDQ program
     assert run.data.tags["target"] == "x86_emulator" and run.data.tags["deployed_eval_path"] == "prefill"
-    # 16a4w on HTP lands ~11-12% above CPU QDQ on SmolLM2 (measured: +10.9% at 64-token context, +12% at 256;
-    # 16a8w: -0.4%; the tiny model's 16a4w: +0.02%): HTP's 4-bit kernels truncate the accumulator (README). A
-    # broken deploy is far off (top-1 ~0).
-    assert abs(m["ppl_deployed_vs_qdq"]) < 0.25 and m["top1_agreement_deployed_vs_qdq"] > 0.6
+    # 16a4w with the default LPBQ lowering of its 4-bit weights: -1.1% vs QDQ on 255 tokens at 256 context (QNN's
+    # per-channel 4-bit kernels: +10.9% at 64-token context, +12% at 256). Short windows of SmolLM2 move by a few
+    # percent under any change of summation order (README), so the bound leaves room for that, not for the old gap.
+    assert abs(m["ppl_deployed_vs_qdq"]) < 0.08 and m["top1_agreement_deployed_vs_qdq"] > 0.6
     assert m["decode_tok_s"] > 0 and m["pte_bytes"] > 50e6
