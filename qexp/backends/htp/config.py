@@ -43,15 +43,6 @@ class KvUpdate(enum.Enum):
 
 
 @dataclass
-class HtpBenchConfig(BenchConfig):
-    # Sized for the x86 HTP emulator, where one SmolLM2 graph call takes ~5 s.
-    prompt_len: int = 32
-    new_tokens: int = 4
-    warmup: int = 1
-    repeats: int = 2
-
-
-@dataclass
 class HtpConfig(BackendConfig):
     name: str = "htp"
     soc: Soc = Soc.SM8650
@@ -70,7 +61,7 @@ class HtpConfig(BackendConfig):
     ngram: int = 3
     window: int = 2
     gcap: int = 2
-    bench: HtpBenchConfig = field(default_factory=HtpBenchConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)  # its defaults are sized for the emulator
     # target=android (a phone over adb; not verifiable on this machine)
     serial: Optional[str] = None  # adb serial (null = the only attached device)
     runner: Optional[str] = None  # a user-built qnn_llama_runner (ExecuTorch Qualcomm backend, Android)
