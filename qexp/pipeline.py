@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from qexp.backends import Backend, QdqPhase, get_backend
 from qexp.cache import Cache
-from qexp.config import NO_QUANT
+from qexp.config import NO_QUANT, QDQ_ONLY_SCHEMES
 from qexp.errors import ConfigError
 from qexp.provenance import config_hash, environment_tags, pin_cpu_numerics
 from qexp.timing import StageTimer, peak_rss_mb
@@ -94,12 +94,19 @@ def validate(cfg: DictConfig) -> Backend:
     """Reject a bad config before any model is loaded; returns the run's backend."""
     from qexp.models.static_llama import arch_flags
     from qexp.quant.recipe import validate_recipe
-    from qexp.transforms import build_transforms
+    from qexp.transforms import validate_transforms
 
     backend = get_backend(cfg.backend.name)
     arch_flags(cfg.model.arch)
     validate_recipe(cfg.quant, cfg.observer)
-    build_transforms(cfg.algorithm)
+    if cfg.quant.scheme in QDQ_ONLY_SCHEMES and backend.deploys:
+        raise ConfigError(f"quant={cfg.quant.scheme} is a QDQ-only research scheme: backend={cfg.backend.name} has no "
+                          "3-bit weights (HTP runs 4, 8 and 16-bit weights)", "use backend=none, or a 4-bit scheme")
+    transforms = validate_transforms(cfg)
+    needs_calibration = cfg.quant.scheme != NO_QUANT or any(t.needs_calibration for t in transforms)
+    if needs_calibration and cfg.calibration.limit < 1:
+        raise ConfigError(f"calibration.limit={cfg.calibration.limit}: calibration data is empty",
+                          "use calibration.limit>=1")
     context = cfg.export.max_context_len
     for key, value in (("eval.seq_len", cfg.eval.seq_len), ("calibration.seq_len", cfg.calibration.seq_len)):
         if value > context:

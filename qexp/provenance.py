@@ -108,9 +108,12 @@ def fp_eval_key(cfg: DictConfig, model, static, windows, keep_logits: int) -> st
                        length=24)
 
 
-def qdq_cache_key(cfg: DictConfig, model, static, calibration, soc: str) -> str:
-    """Everything that determines a calibrated QDQ program (the model's fingerprint includes its transforms)."""
+def qdq_cache_key(cfg: DictConfig, model, static, calibration, soc: str, algorithms=()) -> str:
+    """Everything that determines a calibrated QDQ program (the model's fingerprint includes its transforms;
+    `algorithms`: fingerprints of the calibration-time ones, e.g. SeqMSE)."""
+    extra = {"calibration_algorithms": list(algorithms)} if algorithms else {}  # keeps earlier keys valid
     return stable_hash({
+        **extra,
         "version": QDQ_CACHE_VERSION,
         "model": model.fingerprint,
         "arch": cfg.model.arch,

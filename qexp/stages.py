@@ -21,6 +21,7 @@ def load(state) -> None:
     from qexp.models.sources import load_model
     from qexp.models.static_llama import StaticLlama
     from qexp.quant.encodings import weights_megabytes
+    from qexp.quant.recipe import check_block_sizes
 
     cfg = state.cfg
     with state.timer.stage("load"):
@@ -30,6 +31,7 @@ def load(state) -> None:
                 f"eval.seq_len={cfg.eval.seq_len} is larger than the model's context ({model.max_context} tokens)",
                 "lower eval.seq_len",
             )
+        check_block_sizes(cfg.quant, model.state_dict)
         state.model = model
         state.fp_static = StaticLlama(model, cfg.export.max_context_len, r3=cfg.model.r3)
     state.tags.update({"model_sha256": model.fingerprint, "model_source": model.source_path,
@@ -104,14 +106,15 @@ def transform(state) -> None:
     preserves the function must leave the float perplexity unchanged: `ppl_fp_transformed` shows it."""
     from qexp.eval.perplexity import evaluate
     from qexp.models.static_llama import StaticLlama, window_logits
-    from qexp.transforms import TransformContext, apply_transforms, build_transforms
+    from qexp.transforms import TransformContext, apply_transforms, build_transforms, model_transforms
 
-    transforms = build_transforms(state.cfg.algorithm)
+    transforms = model_transforms(build_transforms(state.cfg.algorithm))
     if not transforms:
         state.deploy_model, state.static = state.model, state.fp_static
         return
     context = TransformContext(state.cfg, state.calibration, state.cache, state.timer)
     model = apply_transforms(state.model, transforms, context)
+    state.tags.update({f"transform_cache_hit.{name}": str(hit).lower() for name, hit in context.cache_hits.items()})
     static = StaticLlama(model, state.cfg.export.max_context_len, r3=state.cfg.model.r3)
     with state.timer.stage("eval_fp_transformed"):
         result = evaluate(lambda ids: window_logits(static.module, static, ids), state.windows, "FP transformed")
@@ -128,15 +131,19 @@ def qdq(state) -> None:
     from qexp.models.static_llama import window_logits
     from qexp.quant.calibrate import quantize
     from qexp.quant.encodings import encodings_table, summarize_encodings, weights_megabytes
+    from qexp.transforms import build_transforms, calibration_algorithms
 
     if not state.quantized:
         return
     cfg, static = state.cfg, state.static
     soc = state.backend.quantizer_soc(cfg)
-    key = qdq_cache_key(cfg, state.deploy_model, static, state.calibration, soc)
+    algorithms = calibration_algorithms(build_transforms(cfg.algorithm))
+    key = qdq_cache_key(cfg, state.deploy_model, static, state.calibration, soc,
+                        [a.fingerprint() for a in algorithms])
     with state.timer.stage("quantize"):
         program = quantize(static, cfg.quant, cfg.observer, state.calibration, state.cache, key, soc,
-                           timer=state.timer, recompose_hadamard=cfg.model.recompose_hadamard)
+                           timer=state.timer, recompose_hadamard=cfg.model.recompose_hadamard,
+                           algorithms=algorithms)
     state.tags.update({"qdq_cache_key": key, "qdq_cache_hit": str(program.cache_hit).lower()})
     with state.timer.stage("eval_qdq"):
         result = evaluate(lambda ids: window_logits(program.module, static, ids), state.windows, "QDQ",

@@ -7,7 +7,7 @@ LoadedModels whose fingerprint extends the original's, so every cache key downst
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -28,6 +28,9 @@ class LoadedModel:
     max_context: Optional[int] = None  # the context length the model was trained for, when known
     hf_dir: Optional[str] = None  # HF folder of the same weights, when there is one (never for a transformed model)
     transforms: Tuple[str, ...] = ()  # names of the transforms applied, in order
+    # Exact weight ranges (absmax, [out, n_blocks]) by Meta key, for weights an algorithm already put on the grid
+    # (GPTQ): the quantize stage hands them to QnnQuantizer's weight observers instead of re-observing the weights.
+    weight_ranges: Dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def n_params(self) -> int:

@@ -40,18 +40,19 @@ def uses_r3(model_cfg) -> bool:
     return arch_flags(model_cfg.arch)["r3"] if model_cfg.r3 is None else bool(model_cfg.r3)
 
 
+def _rope_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Upstream's `transform_weight` (TextDecoder._prepare_model) for one q/k weight: Meta interleaved rows -> the
+    rotate-half layout the static llama's RoPE expects on HTP. Kept equal to upstream's permute with
+    partial_rotary_dim=1."""
+    rows, cols = w.shape
+    return w.view(heads, -1, rows // heads // 2, 2, cols).transpose(2, 3).reshape(rows, cols)
+
+
 def _to_rope_layout(state_dict: dict, n_layers: int, n_heads: int, n_kv_heads: int) -> dict:
-    """Upstream's `transform_weight` (TextDecoder._prepare_model): Meta interleaved q/k rows -> the rotate-half
-    layout the static llama's RoPE expects on HTP. Kept equal to upstream's permute with partial_rotary_dim=1."""
-
-    def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
-        rows, cols = w.shape
-        return w.view(heads, -1, rows // heads // 2, 2, cols).transpose(2, 3).reshape(rows, cols)
-
     out = dict(state_dict)
     for i in range(n_layers):
-        out[f"layers.{i}.attention.wq.weight"] = permute(out[f"layers.{i}.attention.wq.weight"], n_heads)
-        out[f"layers.{i}.attention.wk.weight"] = permute(out[f"layers.{i}.attention.wk.weight"], n_kv_heads)
+        out[f"layers.{i}.attention.wq.weight"] = _rope_permute(out[f"layers.{i}.attention.wq.weight"], n_heads)
+        out[f"layers.{i}.attention.wk.weight"] = _rope_permute(out[f"layers.{i}.attention.wk.weight"], n_kv_heads)
     return out
 
 
@@ -75,6 +76,7 @@ class StaticLlama:
 
     def __init__(self, model: LoadedModel, max_context_len: int, r3: bool | None = None, ar_len: int | None = None):
         flags = arch_flags(model.arch)
+        self.transform_weight = flags["transform_weight"]
         self.r3 = flags["r3"] if r3 is None else bool(r3)
         self.max_context_len = max_context_len
         self.ar_len = ar_len or max_context_len
@@ -98,7 +100,32 @@ class StaticLlama:
                 layer.feed_forward.prepare_feedforward_conv()
         self.module = upstream.convert_linear_to_conv2d(module).eval()
         self.n_layers = self.args.n_layers
+        # exact weight ranges an algorithm fixed (GPTQ), by this module's parameter name, rows in its order
+        self.weight_ranges = dict(self.static_layout(k, v) for k, v in model.weight_ranges.items())
         self.vocab_size = self.args.vocab_size
+
+    def static_layout(self, key: str, value: torch.Tensor) -> Tuple[str, torch.Tensor]:
+        """A Meta-layout per-row tensor (a linear's weight, or its per-row ranges) -> (this module's parameter name,
+        the rows in this module's order): q/k rows go to the RoPE layout when the arch uses it."""
+        from qexp.transforms.grid import static_module_path
+
+        if self.transform_weight and key.endswith(("attention.wq.weight", "attention.wk.weight")):
+            heads = self.args.n_heads if key.endswith("wq.weight") else self.args.n_kv_heads
+            value = _rope_permute(value, heads)
+        return static_module_path(key) + ".weight", value
+
+    @torch.no_grad()
+    def update_weights(self, updates: dict) -> None:
+        """Copy Meta-layout tensors (`layers.0.attention.wq.weight`, `layers.0.ffn_norm.weight`, ...) into this
+        module in place. Algorithms that work layer by layer (GPTQ, AWQ) use it to run the next layer's calibration
+        on the already-updated ones."""
+        params = dict(self.module.named_parameters())
+        for key, value in updates.items():
+            if key in params:
+                params[key].copy_(value)
+                continue
+            name, value = self.static_layout(key, value)
+            params[name].copy_(value.reshape(params[name].shape))
 
     def inputs(self, tokens: Sequence[int] | torch.Tensor, start_pos: int = 0) -> Tuple[torch.Tensor, ...]:
         """Flat inputs (tokens, mask, positions, k caches..., v caches...) for up to ar_len tokens.

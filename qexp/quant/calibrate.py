@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Dict, Sequence
 
 import torch
 from tqdm import tqdm
@@ -41,8 +42,11 @@ class QuantizedModel:
 def quantize(
     static: StaticLlama, quant: QuantConfig, observer: ObserverConfig, calibration: CalibrationSet,
     cache: Cache, key: str, soc: str, timer: StageTimer | None = None, recompose_hadamard: bool = True,
+    algorithms: Sequence = (),
 ) -> QuantizedModel:
-    """Export the static llama, prepare it with the recipe's QnnQuantizer for `soc`, calibrate, convert (cached)."""
+    """Export the static llama, prepare it with the recipe's QnnQuantizer for `soc`, calibrate (running the
+    calibration-time `algorithms`, e.g. SeqMSE, after the first sample, as upstream), hand over exact weight ranges
+    (`static.weight_ranges`), convert (cached)."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     timer = timer or StageTimer()
@@ -56,8 +60,13 @@ def quantize(
             with timer.stage("prepare"):
                 prepared = prepare_pt2e(graph, quantizer)
             with timer.stage("calibrate"):
-                for sample in tqdm(calibration.samples, desc="calibrate", unit="sample", leave=False):
+                for i, sample in enumerate(tqdm(calibration.samples, desc="calibrate", unit="sample", leave=False)):
                     prepared(*static.inputs(sample))
+                    if i == 0:
+                        for algorithm in algorithms:
+                            with timer.stage(f"calibrate_{algorithm.name}"):
+                                algorithm.calibrate(prepared, static, calibration)
+            set_weight_ranges(prepared, static.weight_ranges)
             torch.save(observer_statistics(prepared), tmp / OBSERVERS)
             with timer.stage("convert"):
                 converted = convert_pt2e(prepared)
@@ -75,6 +84,31 @@ def quantize(
     with timer.stage("load_qdq"):
         module = torch.export.load(str(path / QDQ_PROGRAM)).module()
     return QuantizedModel(module, path / QDQ_PROGRAM, key, hit)
+
+
+def weight_observers(prepared: torch.fx.GraphModule) -> Dict[str, torch.nn.Module]:
+    """{parameter name (e.g. layers.0.attention.wq_conv.weight): its observer} of a prepared graph."""
+    found = {}
+    for node in prepared.graph.nodes:
+        if node.op == "call_module" and node.target.startswith("activation_post_process") and node.args \
+                and getattr(node.args[0], "op", None) == "get_attr":
+            found[node.args[0].target] = getattr(prepared, node.target)
+    return found
+
+
+def set_weight_ranges(prepared: torch.fx.GraphModule, ranges: Dict[str, torch.Tensor]) -> None:
+    """Give weight observers an exact symmetric range (scale = range / qmax) instead of the weights' own absmax."""
+    if not ranges:
+        return
+    observers = weight_observers(prepared)
+    missing = sorted(set(ranges) - set(observers))
+    if missing:  # a name mismatch would silently re-observe the weights: the handed-over scales would be lost
+        raise RuntimeError(f"no weight observer for {missing[0]} (and {len(missing) - 1} more) in the prepared graph")
+    with torch.no_grad():
+        for name, value in ranges.items():
+            observer = observers[name]
+            value = value.reshape(observer.min_val.shape).to(observer.min_val.dtype)
+            observer.min_val, observer.max_val = -value.clone(), value.clone()
 
 
 def observer_statistics(prepared: torch.fx.GraphModule) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from qexp import upstream
-from qexp.config import NO_QUANT, SCHEMES, Granularity, ObserverConfig, ObserverKind, QuantConfig
+from qexp.config import NO_QUANT, QDQ_ONLY_SCHEMES, SCHEMES, Granularity, ObserverConfig, ObserverKind, QuantConfig
 from qexp.errors import ConfigError
 from qexp.upstream.private import quantizer_keeping_hadamard_matmul
 
@@ -24,7 +24,11 @@ _GRANULARITY = {
 def quant_dtype(scheme: str):
     if scheme not in SCHEMES:
         raise ConfigError(f"unknown quantization scheme {scheme!r}", f"choose one of: {', '.join(SCHEMES)}")
-    return getattr(upstream.QuantDtype, f"use_{scheme}")
+    return getattr(upstream.QuantDtype, f"use_{QDQ_ONLY_SCHEMES.get(scheme, scheme)}")
+
+
+def _is_block(scheme: str) -> bool:
+    return scheme.endswith("_block")
 
 
 def custom_annotation(name: str):
@@ -100,8 +104,9 @@ def _strategy_kwargs(granularity: Granularity, block_size: int) -> dict:
 def build_recipe(quant: QuantConfig, observer: ObserverConfig):
     act_observer = observer_class(observer)
     dtype = quant_dtype(quant.scheme)
-    if quant.weight_granularity == Granularity.per_block and quant.scheme != "16a4w_block":
-        raise ConfigError(f"quant.weight_granularity=per_block needs scheme 16a4w_block, not {quant.scheme}")
+    if quant.weight_granularity == Granularity.per_block and not _is_block(quant.scheme):
+        raise ConfigError(f"quant.weight_granularity=per_block needs a block scheme (16a4w_block, 16a3w_block), "
+                          f"not {quant.scheme}")
     recipe = upstream.QuantRecipe(
         dtype, False, act_observer=act_observer, granularity=upstream.QuantGranularity.PER_TENSOR,
         act_symmetric=quant.act_symmetric, note=f"{quant.scheme} default",
@@ -113,8 +118,11 @@ def build_recipe(quant: QuantConfig, observer: ObserverConfig):
     )
     for override in quant.overrides:
         override_dtype = quant_dtype(override.scheme)
-        if override.granularity == Granularity.per_block and override.scheme != "16a4w_block":
-            raise ConfigError(f"override {override.pattern!r}: per_block needs scheme 16a4w_block")
+        if override.granularity == Granularity.per_block and not _is_block(override.scheme):
+            raise ConfigError(f"override {override.pattern!r}: per_block needs a block scheme (16a4w_block)")
+        if override.scheme in QDQ_ONLY_SCHEMES:
+            raise ConfigError(f"override {override.pattern!r}: scheme {override.scheme} only as the main scheme",
+                              "set quant.scheme to it instead")
         common = dict(act_observer=act_observer, act_symmetric=override.act_symmetric,
                       note=override.note or override.pattern)
         # A module-path regex also matches the non-weight ops inside that module (silu, mul, ...), which have no
@@ -133,9 +141,32 @@ def make_quantizer(quant: QuantConfig, observer: ObserverConfig, soc: str, recom
     QNN 2.49's HTP cannot build its HadamardTransform op in an AR-N prefill graph and takes it only at 16 bits."""
     quantizer_cls = (upstream.QnnQuantizer if recompose_hadamard
                      else quantizer_keeping_hadamard_matmul(upstream.QnnQuantizer))
+    if quant.scheme in QDQ_ONLY_SCHEMES:
+        quantizer_cls = _with_3bit_weights(quantizer_cls)
     quantizer = quantizer_cls(soc_model=getattr(upstream.QcomChipset, soc))
     quantizer.set_recipe(build_recipe(quant, observer))
     return quantizer
+
+
+def _with_3bit_weights(quantizer_cls):
+    """The recipe's 4-bit conv weights ([-7, 7]) annotated as 3-bit ([-3, 3], scale = absmax / 3) instead; 8-bit
+    overrides (the lm head) keep theirs. The observers read quant_min / quant_max from the annotation."""
+    import dataclasses
+
+    class QnnQuantizer3BitWeights(quantizer_cls):
+        def annotate(self, model):
+            model = super().annotate(model)
+            for node in model.graph.nodes:
+                annotation = node.meta.get("quantization_annotation")
+                if node.target != torch.ops.aten.conv2d.default or annotation is None or len(node.args) < 2:
+                    continue
+                weight = node.args[1]
+                spec = annotation.input_qspec_map.get(weight)
+                if spec is not None and getattr(spec, "quant_min", None) == -7 and spec.quant_max == 7:
+                    annotation.input_qspec_map[weight] = dataclasses.replace(spec, quant_min=-3, quant_max=3)
+            return model
+
+    return QnnQuantizer3BitWeights
 
 
 def validate_recipe(quant: QuantConfig, observer: ObserverConfig) -> None:
@@ -143,3 +174,21 @@ def validate_recipe(quant: QuantConfig, observer: ObserverConfig) -> None:
     if quant.scheme == NO_QUANT:
         return
     build_recipe(quant, observer)
+
+
+def check_block_sizes(quant: QuantConfig, state_dict: dict) -> None:
+    """Every per-block weight's input channels must split into whole blocks (checked once the model's shapes are
+    known, before any calibration): one line naming the layer and the sizes that would fit."""
+    from qexp.transforms.grid import grid_for, static_module_path
+
+    if quant.scheme == NO_QUANT:
+        return
+    for key, weight in state_dict.items():
+        if weight.dim() != 2 or not (key.startswith("layers.") or key == "output.weight"):
+            continue
+        grid = grid_for(quant, key)
+        if grid is not None and grid.block_size and weight.shape[1] % grid.block_size:
+            cols = weight.shape[1]
+            fits = [b for b in (16, 32, 48, 64, 96, 128, 192, 256) if cols % b == 0]
+            raise ConfigError(f"block_size={grid.block_size} does not divide the {cols} input channels of "
+                              f"{static_module_path(key)}", f"use a block size that divides it, e.g. {fits}")

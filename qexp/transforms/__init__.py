@@ -2,13 +2,22 @@
 
 from qexp.transforms.base import (
     TRANSFORMS,
+    CalibrationAlgorithm,
     ModelTransform,
     TransformConfig,
     TransformContext,
     apply_transforms,
     build_transforms,
+    calibration_algorithms,
+    model_transforms,
     register_transform,
+    validate_transforms,
 )
 
-__all__ = ["TRANSFORMS", "ModelTransform", "TransformConfig", "TransformContext", "apply_transforms",
+# the algorithms (importing registers them)
+from qexp.transforms import awq, gptq, rotation, smoothquant  # noqa: E402,F401
+from qexp.quant import seq_mse  # noqa: E402,F401
+
+__all__ = ["TRANSFORMS", "CalibrationAlgorithm", "calibration_algorithms", "model_transforms",
+           "validate_transforms", "ModelTransform", "TransformConfig", "TransformContext", "apply_transforms",
            "build_transforms", "register_transform"]

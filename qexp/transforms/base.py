@@ -9,6 +9,13 @@ untransformed model (the reference).
 
 To add one: subclass `ModelTransform` (its `config_class` dataclass holds its settings), implement `apply`,
 decorate with `@register_transform`, and add conf/algorithm/<name>.yaml with `<name>: {settings}`.
+
+A second kind of algorithm acts during calibration on the prepared graph instead (SeqMSE's weight-scale search):
+`CalibrationAlgorithm`, registered in the same `algorithm` group, run by the quantize stage (qexp/quant/calibrate.py).
+
+Expensive transforms (`cacheable`) keep their result (the tensors they changed, and any exact weight ranges) in the
+cache, keyed by the input model, their settings, the calibration data, the weight grid they searched against and
+the library versions: a sweep over other axes computes them once.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ class TransformContext:
     calibration: Optional["CalibrationSet"]
     cache: "Cache"
     timer: "StageTimer"
+    cache_hits: Dict[str, bool] = dataclasses.field(default_factory=dict)  # transform name -> result from cache
 
 
 @dataclass
@@ -49,20 +57,41 @@ class ModelTransform:
     name: ClassVar[str]
     config_class: ClassVar[Type] = TransformConfig
     needs_calibration: ClassVar[bool] = False
+    cacheable: ClassVar[bool] = False  # keep the result in the cache (worth it for minutes of work, not seconds)
+    acts_on: ClassVar[str] = "model"  # "model": apply() on the float model; "calibration": see CalibrationAlgorithm
+    version: ClassVar[int] = 1  # bump when the code changes what it computes: cached results then stop matching
 
     def __init__(self, config: Any):
         self.config = config
+
+    def validate(self, cfg) -> None:
+        """Reject a config this algorithm cannot serve (scheme, settings), before any work: raise ConfigError."""
+
+    def grid_dependency(self, cfg) -> Dict[str, Any]:
+        """What of the run's config besides this transform's settings decides its output (the weight grid it
+        searches against, for AWQ / GPTQ); part of its fingerprint."""
+        return {}
 
     def fingerprint(self) -> Dict[str, Any]:
         """What determines this transform's output besides the input model (its settings; the calibration data's hash
         is added by `apply_transforms` when it needs calibration)."""
         config = OmegaConf.to_container(self.config, resolve=True, enum_to_str=True) if OmegaConf.is_config(
             self.config) else dataclasses.asdict(self.config)
-        return {"name": self.name, "config": config}
+        return {"name": self.name, "version": self.version, "config": config}
 
     def apply(self, model: "LoadedModel", context: TransformContext) -> "LoadedModel":
         """Return the transformed model (a new LoadedModel: `dataclasses.replace(model, state_dict=...)`; leave the
         input untouched, the FP phase and other runs may hold it). The fingerprint is set by the caller."""
+        raise NotImplementedError
+
+
+class CalibrationAlgorithm(ModelTransform):
+    """An algorithm that acts on the prepared (observed) graph during calibration, not on the float model."""
+
+    acts_on = "calibration"
+
+    def calibrate(self, prepared, static, calibration) -> None:
+        """Run after the first calibration sample; leaves its result in the graph's observers."""
         raise NotImplementedError
 
 
@@ -92,18 +121,69 @@ def build_transforms(algorithm_cfg) -> List[ModelTransform]:
     return transforms
 
 
+def validate_transforms(cfg) -> List[ModelTransform]:
+    transforms = build_transforms(cfg.algorithm)
+    for transform in transforms:
+        transform.validate(cfg)
+    return transforms
+
+
+def model_transforms(transforms: List[ModelTransform]) -> List[ModelTransform]:
+    return [t for t in transforms if t.acts_on == "model"]
+
+
+def calibration_algorithms(transforms: List[ModelTransform]) -> List[CalibrationAlgorithm]:
+    return [t for t in transforms if t.acts_on == "calibration"]
+
+
 def apply_transforms(model: "LoadedModel", transforms: List[ModelTransform],
                      context: TransformContext) -> "LoadedModel":
-    """Apply `transforms` in order; each result's fingerprint is the hash of its input's and the transform's."""
-    for transform in transforms:
-        key = transform.fingerprint()
+    """Apply the model transforms in order; each result's fingerprint is the hash of its input's and the
+    transform's (settings, calibration data, grid)."""
+    for transform in model_transforms(transforms):
+        key = {**transform.fingerprint(), **transform.grid_dependency(context.cfg)}
         if transform.needs_calibration:
-            if context.calibration is None:
-                raise ConfigError(f"algorithm {transform.name} needs calibration data",
-                                  "use a quantized scheme (quant=...) with a calibration set")
+            if context.calibration is None or not context.calibration.samples:
+                raise ConfigError(f"algorithm {transform.name} needs calibration data and has none",
+                                  "use a calibration set with samples (calibration.limit >= 1)")
             key["calibration"] = context.calibration.sha256
+        fingerprint = stable_hash([model.fingerprint, key], length=64)
         with context.timer.stage(f"transform_{transform.name}"):
-            transformed = transform.apply(model, context)
-        model = dataclasses.replace(transformed, fingerprint=stable_hash([model.fingerprint, key], length=64),
-                                    hf_dir=None, transforms=(*model.transforms, transform.name))
+            if transform.cacheable:
+                transformed = _cached_apply(transform, model, context, fingerprint)
+            else:
+                transformed = transform.apply(model, context)
+        model = dataclasses.replace(transformed, fingerprint=fingerprint, hf_dir=None,
+                                    transforms=(*model.transforms, transform.name))
     return model
+
+
+TRANSFORM_CACHE_VERSION = 1
+
+
+def _cached_apply(transform: ModelTransform, model: "LoadedModel", context: TransformContext,
+                  fingerprint: str) -> "LoadedModel":
+    """The transform's result from the cache, else computed and stored: only the tensors it changed (and its exact
+    weight ranges); an entry is complete or absent (a failing transform leaves nothing)."""
+    import torch
+
+    from qexp.provenance import NUMERICS_KEY, library_versions
+
+    key = stable_hash({"version": TRANSFORM_CACHE_VERSION, "fingerprint": fingerprint, "numerics": NUMERICS_KEY,
+                       "versions": library_versions()}, length=24)
+    computed = {}
+
+    def build(tmp):
+        result = transform.apply(model, context)
+        changed = {k: v.contiguous() for k, v in result.state_dict.items() if v is not model.state_dict.get(k)}
+        torch.save({"state_dict": changed, "weight_ranges": dict(result.weight_ranges)}, tmp / "transform.pt")
+        computed["model"] = result
+        return {"transform": transform.name, "changed_tensors": len(changed)}
+
+    path, hit = context.cache.get_or_build("transform", key, build)
+    context.cache_hits[transform.name] = hit
+    if not hit:
+        return computed["model"]
+    saved = torch.load(path / "transform.pt", weights_only=True, mmap=True)
+    return dataclasses.replace(model, state_dict={**model.state_dict, **saved["state_dict"]},
+                               weight_ranges=saved["weight_ranges"])

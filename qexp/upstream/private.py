@@ -171,3 +171,59 @@ def lower_4bit_per_channel_as_lpbq():
         yield
     finally:
         NodeVisitor.make_qnn_per_channel_config = per_channel
+
+
+def spinquant_rotate(module, r1: bool, r2: bool, seed: int) -> None:
+    """R1 / R2 rotations of torchao's SpinQuant (prototype.spinquant) on ExecuTorch's Meta-named Llama module, in
+    place, without the embedding mean-centring and with seeded Hadamard signs.
+
+    Private reach: torchao's public `apply_spinquant` centres the embeddings (function-changing for RMSNorm models)
+    and fixes the Hadamard seed at 0, so the fusing and rotating steps are called directly (`_rotate_model_r1/_r2`).
+    Tested by tests/test_algorithms.py (float logits unchanged after rotation), which fails if these change.
+    """
+    import contextlib
+    import io
+    import types
+
+    import torch
+    from torchao.prototype.spinquant import spinquant as sq
+    from torchao.prototype.spinquant.hadamard_utils import random_hadamard_matrix
+
+    params = module.layers[0].attention
+    dim = module.tok_embeddings.weight.shape[1]
+    module.config = types.SimpleNamespace(dim=dim, head_dim=params.head_dim, n_local_heads=params.n_kv_heads,
+                                          intermediate_size=module.layers[0].feed_forward.w1.weight.shape[0])
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):  # torchao prints a note on its slow Hadamard
+        if r1:
+            embedding = module.tok_embeddings.weight.data.clone()
+            sq.fuse_layernorm_into_linear(module, qkv_split=True)
+            module.tok_embeddings.weight.data = embedding  # undo the centring
+            sq._rotate_model_r1(module, random_hadamard_matrix(dim, "cpu", seed=seed), qkv_split=True)
+        if r2:
+            r2s = [random_hadamard_matrix(module.config.head_dim, "cpu", seed=seed + 1 + i)
+                   for i in range(len(module.layers))]
+            sq._rotate_model_r2(module, r2s, qkv_split=True)
+    del module.config
+
+
+def seq_mse_search(prepared, forward, candidates: int):
+    """Run ExecuTorch's SeqMSE on `prepared` for one `forward()`; returns [(weight observer, best scale factor)] and
+    leaves the observers unpatched (qexp bakes the factor into their range: qexp/quant/seq_mse.py).
+
+    Private reach: `executorch.backends.qualcomm._passes` (SeqMSE, SeqMseModule) and the method SeqMSE patches onto
+    each observer. Tested by tests/test_algorithms.py (the searched scales reach the QDQ program), which fails if
+    the pass changes how it reports its result.
+    """
+    from executorch.backends.qualcomm._passes import SeqMSE
+    from executorch.backends.qualcomm._passes.seq_mse import SeqMseModule
+
+    with SeqMSE(prepared, candidates):
+        forward()
+    found = []
+    for name, module in list(prepared.named_children()):
+        if isinstance(module, SeqMseModule):
+            observer = module.observer
+            observer.__dict__.pop("calculate_qparams", None)  # the instance patch RemoveSeqMse added
+            found.append((observer, float(module.best_candidate_step)))
+            delattr(prepared, name)  # it holds a copy of the weight
+    return found

@@ -1,0 +1,103 @@
+"""Calibration activations at the inputs of each decoder layer's linears, for the algorithms that need them.
+
+`LayerByLayer` runs the static llama (the module the FP phase scores) one decoder layer at a time over all
+calibration samples: one forward records every layer's side inputs (RoPE tables, mask, caches) and the first
+layer's input; after that, `run(i)` runs layer i on the current hidden states, returns what its linears read, and
+(with `advance`) makes its outputs the next layer's inputs. So a whole model costs one pass, and an algorithm that
+changes layer i's weights before advancing (GPTQ) gives layer i+1 the inputs of the already-quantized model.
+Only the real tokens of each sample are kept (short prompt samples are right-padded to the graph's AR length).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Dict, Iterable, List
+
+import torch
+
+if TYPE_CHECKING:  # the static llama imports ExecuTorch: not needed to validate a config
+    from qexp.models.loaded import LoadedModel
+    from qexp.models.static_llama import StaticLlama
+
+# The conv whose input is each shared input: q/k/v read the attention norm's output (captured at wq), o reads the
+# attention output, gate/up read the FFN norm's output (captured at w1), down reads silu(gate) * up.
+INPUTS = {"attn_in": "attention.wq_conv", "o_in": "attention.wo_conv", "ffn_in": "feed_forward.w1_conv",
+          "down_in": "feed_forward.w2_conv"}
+
+
+class _StopForward(Exception):
+    pass
+
+
+def private_static(model: "LoadedModel", max_context_len: int, r3: bool | None) -> "StaticLlama":
+    """A static llama on a private copy of the weights: the StaticLlama shares its tensors with the LoadedModel it
+    is built from, and layer-by-layer algorithms update the module in place."""
+    from qexp.models.static_llama import StaticLlama
+
+    state = {k: v.detach().clone() for k, v in model.state_dict.items()}
+    return StaticLlama(dataclasses.replace(model, state_dict=state), max_context_len, r3=r3)
+
+
+class LayerByLayer:
+    @torch.no_grad()
+    def __init__(self, static: "StaticLlama", samples: Iterable):
+        self.static = static
+        self.layers = static.module.layers
+        samples = list(samples)
+        self.lengths: List[int] = [len(s) for s in samples]
+        self.hidden: List[torch.Tensor] = []
+        self.side: List[List[dict]] = []  # [sample][layer] -> the layer's keyword inputs
+        recorded: List[dict] = []
+
+        def record(index):
+            def hook(_module, args, kwargs):
+                if index == 0:
+                    self.hidden.append(args[0].detach().clone())
+                recorded.append(dict(kwargs))
+                if index == len(self.layers) - 1:
+                    raise _StopForward  # the final norm and lm head are not needed
+            return hook
+
+        handles = [layer.register_forward_pre_hook(record(i), with_kwargs=True) for i, layer in enumerate(self.layers)]
+        try:
+            for sample in samples:
+                recorded = []
+                try:
+                    static.module(*static.inputs(sample))
+                except _StopForward:
+                    pass
+                self.side.append(recorded)
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.next_layer = 0
+
+    @torch.no_grad()
+    def run(self, layer: int, inputs: Iterable[str] = tuple(INPUTS), advance: bool = True) -> Dict[str, torch.Tensor]:
+        """{input name: [tokens, channels]} (fp32) of decoder layer `layer`'s linears over all samples."""
+        if layer != self.next_layer:
+            raise RuntimeError(f"layer {layer} run before its inputs exist (next is {self.next_layer})")
+        block = self.layers[layer]
+        captured: Dict[str, list] = {name: [] for name in inputs}
+        current = {"n": 0}
+
+        def hook_for(name):
+            def hook(_module, args):
+                x = args[0]
+                rows = x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])  # (1, C, H, W) -> [H*W tokens, C]
+                captured[name].append(rows[: current["n"]].float().clone())
+            return hook
+
+        handles = [block.get_submodule(INPUTS[name]).register_forward_pre_hook(hook_for(name)) for name in captured]
+        try:
+            outputs = []
+            for s, hidden in enumerate(self.hidden):
+                current["n"] = self.lengths[s]
+                outputs.append(block(hidden, **self.side[s][layer])[0])
+        finally:
+            for handle in handles:
+                handle.remove()
+        if advance:
+            self.hidden = outputs
+            self.next_layer += 1
+        return {name: torch.cat(rows) for name, rows in captured.items()}

@@ -1,0 +1,99 @@
+"""The weight grid QnnQuantizer will use for each linear layer, so algorithms search against the real target.
+
+QnnQuantizer quantizes every linear (a 1x1 conv in the static llama) symmetrically: per output channel, or per block
+of `block_size` input channels (LPBQ), with ints in [-(2^(b-1) - 1), 2^(b-1) - 1] and scale = absmax / qmax
+(its PerChannel/PerBlockParamObserver; 4-bit is [-7, 7], not [-8, 7]). Per-layer overrides (the 8-bit lm head of the
+shipped recipes) apply as in qexp/quant/recipe.py: the first matching override pattern wins.
+
+Also here: the names that tie the Meta-layout state dict (what transforms edit) to the static llama's modules (what
+QnnQuantizer annotates): `layers.3.attention.wq.weight` <-> `layers.3.attention.wq_conv`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from qexp.config import NO_QUANT, Granularity
+
+SCALE_EPS = torch.finfo(torch.float32).eps  # the observers' eps (DEFAULT_EPS_FP32)
+
+# The linear layers of one decoder layer, Meta names (q, k, v, o; gate, down, up).
+ATTENTION = ("wq", "wk", "wv", "wo")
+FEED_FORWARD = ("w1", "w2", "w3")
+
+
+def layer_linears(i: int) -> List[str]:
+    return ([f"layers.{i}.attention.{n}.weight" for n in ATTENTION]
+            + [f"layers.{i}.feed_forward.{n}.weight" for n in FEED_FORWARD])
+
+
+def static_module_path(meta_key: str) -> str:
+    """The static llama module (1x1 conv) holding a Meta linear weight."""
+    if meta_key == "output.weight":
+        return "output.conv"
+    prefix, name, _ = meta_key.rsplit(".", 2)
+    return f"{prefix}.{name}_conv"
+
+
+def weight_bits(scheme: str) -> int:
+    """Weight bits of a QNN scheme name: '16a4w' -> 4, '16a4w_block' -> 4, '8a8w' -> 8, '16a3w' -> 3."""
+    match = re.fullmatch(r"\d+a(\d+)w(?:_block)?", scheme)
+    if not match:
+        raise ValueError(f"not a quantized scheme: {scheme!r}")
+    return int(match.group(1))
+
+
+@dataclass(frozen=True)
+class WeightGrid:
+    bits: int
+    block_size: Optional[int] = None  # None: one scale per output channel
+
+    @property
+    def qmax(self) -> int:
+        return 2 ** (self.bits - 1) - 1
+
+    def describe(self) -> str:
+        return f"int{self.bits} sym " + (f"block {self.block_size}" if self.block_size else "per channel")
+
+    def _groups(self, w: torch.Tensor) -> torch.Tensor:
+        out, cols = w.shape
+        size = self.block_size or cols
+        if cols % size:
+            raise ValueError(f"block_size {size} does not divide the layer's {cols} input channels")
+        return w.reshape(out, cols // size, size)
+
+    def scales(self, w: torch.Tensor) -> torch.Tensor:
+        """Scale per (output channel, block): [out, n_blocks] (n_blocks = 1 per channel)."""
+        return (self._groups(w).abs().amax(-1) / self.qmax).clamp(min=SCALE_EPS)
+
+    def expand(self, scales: torch.Tensor, cols: int) -> torch.Tensor:
+        """[out, n_blocks] scales -> [out, cols], one per weight."""
+        return scales.repeat_interleave(cols // scales.shape[1], dim=1)
+
+    def quantize(self, w: torch.Tensor, scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Fake-quantize `w` [out, in] (round half to even, as torch's fake_quantize ops)."""
+        scales = self.scales(w) if scales is None else scales
+        s = self.expand(scales, w.shape[1])
+        return torch.clamp(torch.round(w / s), -self.qmax, self.qmax) * s
+
+
+def grid_for(quant_cfg, meta_key: str) -> Optional[WeightGrid]:
+    """The grid QnnQuantizer will give the weight `meta_key` under `quant_cfg` (None: not quantized)."""
+    if quant_cfg.scheme == NO_QUANT:
+        return None
+    path = static_module_path(meta_key)
+    for override in quant_cfg.overrides:
+        if re.search(f"(?=.*conv$)(?:{override.pattern})", path):
+            block = override.block_size if override.granularity == Granularity.per_block else None
+            return WeightGrid(weight_bits(override.scheme), block)
+    block = quant_cfg.block_size if quant_cfg.weight_granularity == Granularity.per_block else None
+    return WeightGrid(weight_bits(quant_cfg.scheme), block)
+
+
+def grids(quant_cfg, state_dict: Dict[str, torch.Tensor], n_layers: int) -> Dict[str, WeightGrid]:
+    """Grid of every decoder-layer linear (the layers the algorithms act on)."""
+    return {k: grid_for(quant_cfg, k) for i in range(n_layers) for k in layer_linears(i) if k in state_dict}

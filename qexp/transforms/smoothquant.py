@@ -1,0 +1,69 @@
+"""SmoothQuant (Xiao et al. 2023, arXiv:2211.10438): migrate activation outliers into the weights.
+
+For the linears that read a norm's output (q/k/v after the attention norm, gate/up after the FFN norm), each input
+channel j gets s_j = max|X_j|^alpha / max|W_:,j|^(1 - alpha) (the paper's Eq. 4; max over calibration tokens and over
+the rows of all linears sharing the input); X is divided by s (folded into the norm's weight) and W's columns are
+multiplied by s, so the float model keeps its function. It helps 8-bit activations; with 16-bit activations the
+activation grid is not the bottleneck and qexp refuses it (see `validate`).
+
+Written here (~20 lines of math): torchao's SmoothQuant is per linear (q and k would need different scales for one
+norm), llm-compressor's is function-breaking on Gemma 3 (../shared/reference/algorithm-libraries.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from qexp.errors import ConfigError
+from qexp.transforms.base import ModelTransform, TransformConfig, register_transform
+from qexp.transforms.capture import LayerByLayer
+
+
+@dataclass
+class SmoothQuantConfig(TransformConfig):
+    alpha: float = 0.5  # migration strength: 0 keeps the activations, 1 moves all of their range into the weights
+
+
+def smoothing_scales(x_absmax: torch.Tensor, weights, alpha: float) -> torch.Tensor:
+    """The paper's s_j = max|X_j|^alpha / max|W_j|^(1-alpha) (clamped away from 0, as the reference code)."""
+    w_absmax = torch.cat(weights).abs().amax(0).clamp(min=1e-5)
+    return (x_absmax.clamp(min=1e-5).pow(alpha) / w_absmax.pow(1 - alpha)).clamp(min=1e-5)
+
+
+@register_transform
+class SmoothQuant(ModelTransform):
+    name = "smoothquant"
+    config_class = SmoothQuantConfig
+    needs_calibration = True
+
+    def validate(self, cfg) -> None:
+        scheme = cfg.quant.scheme
+        if not scheme.startswith("8a"):
+            raise ConfigError(f"algorithm smoothquant smooths 8-bit activations; quant={scheme} has "
+                              f"{'none' if scheme == 'fp32' else '16-bit ones'}",
+                              "use it with quant=8a8w or quant=8a4w")
+        if not 0 <= self.config.alpha <= 1:
+            raise ConfigError(f"algorithm.smoothquant.alpha={self.config.alpha}", "use 0 <= alpha <= 1")
+
+    def apply(self, model, context):
+        state = dict(model.state_dict)
+        from qexp.models.static_llama import StaticLlama
+
+        # the float function is unchanged by smoothing, so every layer's inputs come from the float model
+        static = StaticLlama(model, context.cfg.export.max_context_len, r3=context.cfg.model.r3)
+        runner = LayerByLayer(static, context.calibration.samples)
+        for i in range(model.params["n_layers"]):
+            x = runner.run(i, inputs=("attn_in", "ffn_in"))
+            att, ffn = f"layers.{i}.attention", f"layers.{i}.feed_forward"
+            for norm, names, input_name in ((f"layers.{i}.attention_norm.weight",
+                                             [f"{att}.wq.weight", f"{att}.wk.weight", f"{att}.wv.weight"], "attn_in"),
+                                            (f"layers.{i}.ffn_norm.weight",
+                                             [f"{ffn}.w1.weight", f"{ffn}.w3.weight"], "ffn_in")):
+                s = smoothing_scales(x[input_name].abs().amax(0), [state[n] for n in names], self.config.alpha)
+                state[norm] = state[norm] / s
+                for n in names:
+                    state[n] = state[n] * s
+        return dataclasses.replace(model, state_dict=state)

@@ -1,0 +1,255 @@
+"""Quantization algorithms (qexp/transforms, qexp/quant/seq_mse.py) on the tiny model and on synthetic layers:
+each against its paper's definition, against the QNN grid QnnQuantizer really uses, composed, cached, and refused
+where it cannot serve the config."""
+
+from __future__ import annotations
+
+
+
+import pytest
+import torch
+
+from helpers import TINY
+from qexp.errors import ConfigError
+from qexp.pipeline import prepare, run_experiment, validate
+from qexp.timing import StageTimer
+from qexp.transforms import TransformContext, apply_transforms, build_transforms
+from qexp.transforms.awq import awq_loss, search_scale
+from qexp.transforms.grid import WeightGrid, grid_for, layer_linears, static_module_path
+from qexp.transforms.gptq import gptq_quantize, hessian
+from qexp.transforms.smoothquant import smoothing_scales
+
+
+# ------------------------------------------------------------------ helpers
+def program_weights(module) -> dict:
+    """{static parameter name: (integer weights, scales)} of a converted QDQ program's conv weights, named by the
+    consuming conv's module path (a reloaded program calls its constants _frozen_paramN)."""
+    from qexp.quant.encodings import _DEQUANT_OPS
+
+    out = {}
+    for node in module.graph.nodes:
+        kind = _DEQUANT_OPS.get(str(node.target))
+        source = node.args[0] if node.args else None
+        if node.op != "call_function" or kind is None or getattr(source, "op", None) != "get_attr":
+            continue
+        stack = next(iter(node.users)).meta.get("nn_module_stack")
+        path = list(stack.values())[-1][0].replace(".forward.__self__", "")
+        scale = node.args[2] if kind == "per_block" else node.args[1]
+        scale = getattr(module, scale.target) if hasattr(scale, "op") else torch.tensor([float(scale)])
+        out[path + ".weight"] = (getattr(module, source.target), scale)
+    return out
+
+
+def transformed(compose, overrides, through="calibration"):
+    cfg = compose(TINY + overrides)
+    state = prepare(cfg, through=through)
+    context = TransformContext(cfg, state.calibration, state.cache, StageTimer())
+    return state, apply_transforms(state.model, build_transforms(cfg.algorithm), context), context
+
+
+def float_logits(model, windows, context_len=64):
+    from qexp.models.static_llama import StaticLlama, window_logits
+
+    static = StaticLlama(model, context_len)
+    return torch.cat([window_logits(static.module, static, row.tolist()) for row in windows.ids[:2]])
+
+
+def sqnr_db(ref, x):
+    return float(20 * torch.log10(ref.norm() / (ref - x).norm()))
+
+
+# ------------------------------------------------------------------ the grid
+def test_grid_is_qnnquantizers_grid(compose):
+    """Fake-quantizing the Meta weights with grid_for(...) gives exactly the converted QDQ program's weights:
+    per channel, per block and the 8-bit lm-head override."""
+    for quant in (["quant=16a4w"], ["quant=16a4w_block", "quant.block_size=16"], ["quant=16a3w"]):
+        state = prepare(compose(TINY + quant), through="qdq")
+        weights = program_weights(state.qdq.program.module)
+        model, static = state.model, state.static
+        checked = 0
+        for key in layer_linears(0) + ["output.weight"]:
+            name, expected_rows = static.static_layout(key, grid_for(state.cfg.quant, key).quantize(model.state_dict[key]))
+            ints, scale = weights[name]
+            scale = scale.reshape(ints.shape[0], -1)
+            got = (ints.reshape(ints.shape[0], -1).float()
+                   * scale.repeat_interleave(ints.reshape(ints.shape[0], -1).shape[1] // scale.shape[1], 1))
+            assert torch.allclose(got, expected_rows, rtol=0, atol=1e-6), (quant, key)
+            checked += 1
+        assert checked == 8
+        if quant == ["quant=16a3w"]:
+            assert int(weights["layers.0.attention.wq_conv.weight"][0].abs().max()) == 3
+
+
+def test_static_module_paths():
+    assert static_module_path("layers.3.attention.wq.weight") == "layers.3.attention.wq_conv"
+    assert static_module_path("layers.0.feed_forward.w2.weight") == "layers.0.feed_forward.w2_conv"
+    assert static_module_path("output.weight") == "output.conv"
+    assert WeightGrid(4).qmax == 7 and WeightGrid(3).qmax == 3 and WeightGrid(8).qmax == 127
+
+
+# ------------------------------------------------------------------ AWQ (paper: s* = argmin ||Q(W s)(X/s) - WX||)
+def _outlier_layer(seed=0, out=48, cols=64, tokens=256):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, cols, generator=g)
+    x[:, :4] *= 20  # a few salient input channels, the case AWQ exists for
+    w = torch.randn(out, cols, generator=g) * 0.05
+    return w, x
+
+
+def test_awq_scale_is_the_grid_argmin_of_the_papers_objective():
+    w, x = _outlier_layer()
+    grid = WeightGrid(4, 16)
+    s = search_scale([w], [grid], x, n_grid=20, duo_scaling=False)
+    reference = [x @ w.T]
+    # brute force over the same candidate set: s = s_X^a normalised, a in {0, 1/20, ...}
+    x_mean = x.abs().mean(0)
+    candidates = [torch.ones_like(x_mean)]
+    for step in range(20):
+        c = x_mean.pow(step / 20).clamp(min=1e-4)
+        candidates.append(c / (c.max() * c.min()).sqrt())
+    losses = [awq_loss([w], [grid], x, c, reference) for c in candidates]
+    assert awq_loss([w], [grid], x, s, reference) == pytest.approx(min(losses), rel=1e-9)
+    assert min(losses) < losses[0] * 0.8  # it beats round-to-nearest (s = 1) clearly on salient channels
+
+
+def test_awq_without_clipping_keeps_the_float_function_and_composes_with_rotation(compose):
+    state, model, _ = transformed(compose, ["quant=16a4w", "+algorithm.rotation={}",
+                                            "+algorithm.awq={clip: false}"])
+    assert model.transforms == ("rotation", "awq")
+    ref, got = float_logits(state.model, state.windows), float_logits(model, state.windows)
+    assert (ref - got).abs().max() < 1e-3 and sqnr_db(ref, got) > 80
+    changed = [k for k in layer_linears(0) if not torch.equal(model.state_dict[k], state.model.state_dict[k])]
+    assert len(changed) == 7
+
+
+# ------------------------------------------------------------------ GPTQ (paper: Algorithm 1)
+def test_gptq_equals_rtn_for_uncorrelated_inputs_and_beats_it_otherwise():
+    w, x = _outlier_layer(1)
+    grid = WeightGrid(4)
+    q, scales = gptq_quantize(w, torch.eye(w.shape[1]), grid, damp=0.0)
+    assert torch.equal(q, grid.quantize(w))  # H = I: nothing to compensate
+    assert torch.allclose(scales, grid.scales(w))
+    g = torch.Generator().manual_seed(2)
+    mix = torch.randn(w.shape[1], w.shape[1], generator=g) * 0.3 + torch.eye(w.shape[1])
+    xc = x @ mix  # correlated inputs
+    for act_order in (False, True):
+        for block in (None, 16):
+            grid = WeightGrid(4, block)
+            q, scales = gptq_quantize(w, hessian(xc), grid, act_order=act_order, block_size=32)
+            rtn = grid.quantize(w)
+            assert ((xc @ (q - w).T).norm() < 0.9 * (xc @ (rtn - w).T).norm())
+            ints = q / grid.expand(scales, w.shape[1])
+            assert torch.allclose(ints, ints.round(), atol=1e-4) and ints.abs().max() <= 7 + 1e-4
+
+
+def test_gptq_integers_reach_the_qdq_program_exactly(compose):
+    """GPTQ's scales are handed to QnnQuantizer: the converted program's integers are GPTQ's, also for rows whose
+    GPTQ weights never reach +-7 (QnnQuantizer's own observer would shrink their scale)."""
+    short_groups = 0
+    for quant in (["quant=16a4w"], ["quant=16a4w_block", "quant.block_size=16"]):
+        state = prepare(compose(TINY + quant + ["+algorithm.rotation={}", "+algorithm.gptq={}"]), through="qdq")
+        model, static = state.deploy_model, state.static
+        weights = program_weights(state.qdq.program.module)
+        for key in layer_linears(1):
+            grid = grid_for(state.cfg.quant, key)
+            name, ranges = static.static_layout(key, model.weight_ranges[key])
+            _, expected = static.static_layout(key, model.state_dict[key])
+            scales = grid.expand(ranges / grid.qmax, expected.shape[1])
+            expected_ints = torch.round(expected / scales)
+            ints, _ = weights[name]
+            assert torch.equal(ints.reshape(expected_ints.shape).float(), expected_ints), (quant, key)
+            groups = expected_ints.reshape(expected_ints.shape[0], ranges.shape[1], -1)
+            short_groups += int((groups.abs().amax(-1) < grid.qmax).sum())
+    assert short_groups > 0  # the case the handover exists for (a row/block never reaching +-qmax) does occur
+
+
+# ------------------------------------------------------------------ SmoothQuant (paper Eq. 4)
+def test_smoothquant_scales_and_function(compose):
+    x_absmax, w = torch.tensor([8.0, 1.0, 0.5]), torch.tensor([[1.0, 2.0, 4.0]])
+    s = smoothing_scales(x_absmax, [w], alpha=0.5)
+    assert torch.allclose(s, (x_absmax.sqrt() / w.abs().amax(0).sqrt()))
+    state, model, _ = transformed(compose, ["quant=8a8w", "+algorithm.smoothquant={alpha: 0.5}"])
+    ref, got = float_logits(state.model, state.windows), float_logits(model, state.windows)
+    assert sqnr_db(ref, got) > 80
+    assert not torch.equal(model.state_dict["layers.0.attention_norm.weight"],
+                           state.model.state_dict["layers.0.attention_norm.weight"])
+
+
+def test_rotation_keeps_the_float_function(compose):
+    state, model, _ = transformed(compose, ["quant=16a4w", "+algorithm.rotation={seed: 3}"])
+    ref, got = float_logits(state.model, state.windows), float_logits(model, state.windows)
+    assert sqnr_db(ref, got) > 80
+    # R1 reached the embedding and the (now untied) lm head; the norms were folded into the linears
+    assert not torch.allclose(model.state_dict["tok_embeddings.weight"], state.model.state_dict["tok_embeddings.weight"])
+    assert torch.equal(model.state_dict["norm.weight"], torch.ones_like(model.state_dict["norm.weight"]))
+
+
+# ------------------------------------------------------------------ SeqMSE (ExecuTorch's pass)
+def test_seq_mse_scales_reach_the_program_and_the_deploy_graphs(compose):
+    from qexp.backends.htp.lower import quantized_graph
+    from qexp.quant.calibrate import OBSERVERS
+
+    plain = prepare(compose(TINY + ["quant=16a4w"]), through="qdq")
+    searched = prepare(compose(TINY + ["quant=16a4w", "+algorithm.seq_mse={candidates: 20}"]), through="qdq")
+    assert searched.qdq.program.key != plain.qdq.program.key
+    a, b = program_weights(plain.qdq.program.module), program_weights(searched.qdq.program.module)
+    ratios = {name: float((b[name][1].reshape(-1) / a[name][1].reshape(-1)).mean()) for name in a}
+    assert any(r < 0.999 for r in ratios.values())  # some layer's scale was shrunk
+    assert all(r <= 1.0 + 1e-6 for r in ratios.values())
+    # a kv graph (another AR length) quantized from the saved statistics gets the same searched scales
+    stats = torch.load(searched.qdq.program.program_path.parent / OBSERVERS, weights_only=True)
+    cfg = searched.cfg
+    converted, _ = quantized_graph(searched.deploy_model, 64, 1, searched.static.r3, cfg.quant, cfg.observer, stats,
+                                   cfg.model.recompose_hadamard, "SM8650")
+    c = program_weights(converted)
+    for name in b:
+        assert torch.equal(c[name][0], b[name][0]) and torch.allclose(c[name][1], b[name][1]), name
+
+
+# ------------------------------------------------------------------ cache, composition, the run
+def test_expensive_transforms_are_cached_by_model_settings_calibration_and_grid(compose):
+    _, first, c1 = transformed(compose, ["quant=16a4w", "+algorithm.gptq={damp: 0.02}"])
+    _, again, c2 = transformed(compose, ["quant=16a4w", "+algorithm.gptq={damp: 0.02}"])
+    _, other_grid, c3 = transformed(compose, ["quant=16a4w_block", "quant.block_size=16",
+                                              "+algorithm.gptq={damp: 0.02}"])
+    assert c2.cache_hits["gptq"] and not c3.cache_hits["gptq"]
+    assert again.fingerprint == first.fingerprint != other_grid.fingerprint
+    for key in first.state_dict:
+        assert torch.equal(first.state_dict[key], again.state_dict[key])
+    for key in first.weight_ranges:
+        assert torch.equal(first.weight_ranges[key], again.weight_ranges[key])
+
+
+def test_awq_run_logs_the_transformed_float_model_and_beats_rtn_on_logits(compose):
+    rtn = run_experiment(compose(TINY + ["quant=16a4w_block", "quant.block_size=16"])).metrics
+    result = run_experiment(compose(TINY + ["quant=16a4w_block", "quant.block_size=16", "algorithm=[awq]"]))
+    m = result.metrics
+    assert "ppl_fp_transformed" in m and result.tags["algorithm"] == "awq"
+    assert m["logits_sqnr_db_qdq_vs_fp"] > rtn["logits_sqnr_db_qdq_vs_fp"]
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("overrides, message", [
+    (["quant=16a4w", "algorithm=[smoothquant]"], "smoothquant smooths 8-bit activations"),
+    (["quant=fp32", "algorithm=[gptq]"], "gptq rounds weights onto a quantization grid"),
+    (["quant=fp32", "algorithm=[awq]"], "awq searches against a quantization grid"),
+    (["quant=16a3w", "backend=htp"], "QDQ-only research scheme"),
+    (["quant=16a4w", "+algorithm.awq={n_grids: 3}"], "algorithm.awq"),
+    (["quant=16a4w", "algorithm=[seq_mse]", "quant.weight_granularity=per_tensor"], "per-channel or per-block"),
+])
+def test_algorithms_refuse_configs_they_cannot_serve(compose, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose(TINY + overrides))
+
+
+def test_bad_block_size_and_empty_calibration_fail_the_run_before_work(compose, cache_dir):
+    from qexp.errors import InputError
+
+    with pytest.raises((ConfigError, InputError), match="block_size=48 does not divide the 64 input channels"):
+        run_experiment(compose(TINY + ["quant=16a4w_block", "quant.block_size=48", "algorithm=[awq]"]))
+    before = set((cache_dir / "transform").glob("*")) if (cache_dir / "transform").exists() else set()
+    with pytest.raises(ConfigError, match="calibration data is empty"):
+        run_experiment(compose(TINY + ["quant=16a4w", "algorithm=[gptq]", "calibration.limit=0"]))
+    after = set((cache_dir / "transform").glob("*")) if (cache_dir / "transform").exists() else set()
+    assert after == before  # no cache entry for a failed transform
+
