@@ -144,7 +144,7 @@ def qdq(state) -> None:
         program = quantize(static, cfg.quant, cfg.observer, state.calibration, state.cache, key, soc,
                            timer=state.timer, recompose_hadamard=cfg.model.recompose_hadamard,
                            algorithms=algorithms)
-    state.tags.update({"qdq_cache_key": key, "qdq_cache_hit": str(program.cache_hit).lower()})
+    state.tags.update({"qdq_cache_key": key, "qdq_cache_hit": str(program.cache_hit).lower(), **grid_tags(cfg)})
     with state.timer.stage("eval_qdq"):
         result = evaluate(lambda ids: window_logits(program.module, static, ids), state.windows, "QDQ",
                           keep_logits=SQNR_WINDOWS)
@@ -203,6 +203,16 @@ def _score_deployed(state, deployed) -> None:
              state.cfg.backend.name.upper(), state.tags.get("target", "?"), metrics["ppl_deployed"], reference.upper(),
              metrics[f"ppl_{reference}_sub"], subset.n_predicted, 100 * metrics[f"ppl_deployed_vs_{reference}"],
              metrics[f"top1_agreement_deployed_vs_{reference}"])
+
+
+def grid_tags(cfg) -> dict:
+    """What the decoder's linears and the lm head were quantized to, and whether a QNN backend can run it."""
+    from qexp.config import QDQ_ONLY_SCHEMES
+    from qexp.transforms.grid import grid_for
+
+    return {"weight_grid": grid_for(cfg.quant, "layers.0.attention.wq.weight").describe(),
+            "lm_head_grid": grid_for(cfg.quant, "output.weight").describe(),
+            "deployable": str(cfg.quant.scheme not in QDQ_ONLY_SCHEMES).lower()}
 
 
 STAGE_FUNCTIONS = {"load": load, "text": text, "fp": fp, "calibration": calibration, "transform": transform,

@@ -60,3 +60,15 @@ def test_default_experiment_end_to_end(compose, store_uri):
     # percent under any change of summation order (README), so the bound leaves room for that, not for the old gap.
     assert abs(m["ppl_deployed_vs_qdq"]) < 0.08 and m["top1_agreement_deployed_vs_qdq"] > 0.6
     assert m["decode_tok_s"] > 0 and m["pte_bytes"] > 50e6
+
+
+def test_awq_through_qdq_on_smollm2(compose, store_uri):
+    """AWQ (scales only: function-preserving) on the real model, searched on LPBQ block-64's grid, through the QDQ
+    phase: the transformed float model scores the FP perplexity to 1e-4, and the QDQ program is a sane 4-bit model."""
+    cfg = compose(["+experiment=awq_w4_g64_wikitext", "eval.seq_len=64", "eval.limit=4", "calibration.limit=4",
+                   "algorithm.awq.clip=false", "algorithm.awq.n_grid=10", "algorithm.awq.loss_samples=2"])
+    result = run_experiment(cfg)
+    m = result.metrics
+    assert abs(m["ppl_fp_transformed_vs_fp"]) < 1e-4, m["ppl_fp_transformed_vs_fp"]
+    assert m["ppl_fp"] < m["ppl_qdq"] < m["ppl_fp"] * 2
+    assert result.tags["algorithm"] == "awq" and result.tags["weight_grid"] == "int4 sym block 64"

@@ -72,6 +72,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--pivot", help="index,columns,values, e.g. scheme,observer,ppl_qdq")
     parser.add_argument("--name", help="output name: results/<name>.md/.csv/_*.png (default: sweep or experiment)")
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
+    parser.add_argument("--layout", choices=("runs", "devices"), default="runs",
+                        help="runs: one row per run (default); devices: one row per configuration and device, "
+                        "as the seeds' tables (QDQ on the CPU, HTP on the emulator, ...)")
     parser.add_argument("--allow-mixed", action="store_true", help="tabulate runs with different text/windows")
     parser.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI or the embedded store")
     args = parser.parse_args(argv)
@@ -80,6 +83,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         runs = load_runs(args.experiment, args.sweep, args.filter, args.tracking_uri)
         report = build_report(runs, args.columns.split(",") if args.columns else None, args.allow_mixed,
                               args.pivot.split(",") if args.pivot else None)
+        if args.layout == "devices":
+            from qexp.report.devices import device_table
+            from qexp.report.table import _derived
+
+            report.table = device_table(_derived(runs))
+            report.notes.append("One row per configuration and device. PPL (all windows): every evaluation window; "
+                                "PPL (deployed subset): the tokens the deployed phase scored, with QDQ on the same "
+                                "tokens in its CPU row. Δ vs FP on the row's own tokens. A 3-bit scheme is QDQ-only "
+                                "(deployable = false): HTP has no 3-bit weights.")
         name = args.name or args.sweep or args.experiment
         source = f"MLflow experiment `{args.experiment}`" + (f", sweep `{args.sweep}`" if args.sweep else "")
         paths = write(report, name, command, source + f" ({len(runs)} runs)", Path(args.out_dir))

@@ -1,0 +1,56 @@
+"""The seeds' layout: one row per (configuration, device) instead of one per run.
+
+A run with a QDQ phase gives a "CPU (QDQ)" row (perplexity on all windows, and on the deployed phase's subset when it
+has one); its deployed phase gives a row for its device (HTP on the x86 emulator, XNNPACK on the CPU), scored on its
+subset only; each model's FP reference gives an "FP32" row. "config" says what was quantized how: the weight grid,
+the lm head's, and the algorithms (RTN when none).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from qexp.report.base import column
+
+DEVICE_OF_TARGET = {"x86_emulator": "HTP (x86 emulator)", "android": "HTP (phone)", "cpu": "XNNPACK (CPU)"}
+HEADERS = ["model", "precision", "config", "device", "PPL (deployed subset)", "PPL (all windows)", "Δ vs FP",
+           "deployable"]
+
+
+def _config(runs: pd.DataFrame) -> pd.Series:
+    algorithm = column(runs, "tags.algorithm").fillna("RTN").replace("", "RTN")
+    weights = column(runs, "tags.weight_grid")
+    block = column(runs, "params.quant.block_size").astype(str)
+    granularity = column(runs, "params.quant.weight_granularity").astype(str)
+    fallback = np.where(granularity == "per_block", "block " + block, granularity)
+    weights = weights.where(weights.notna(), pd.Series(fallback, index=runs.index))
+    lm_head = column(runs, "tags.lm_head_grid").fillna("?")
+    return algorithm + ", " + weights.astype(str) + ", lm head " + lm_head.astype(str)
+
+
+def device_table(runs: pd.DataFrame) -> pd.DataFrame:
+    num = lambda name: pd.to_numeric(column(runs, name), errors="coerce")  # noqa: E731
+    model = column(runs, "params.model.name")
+    scheme = column(runs, "tags.scheme").fillna(column(runs, "params.quant.scheme"))
+    config = _config(runs)
+    deployable = column(runs, "tags.deployable").fillna("-")
+    rows = []
+    for i in range(len(runs)):
+        if scheme.iloc[i] == "fp32" or pd.isna(num("metrics.ppl_qdq").iloc[i]):
+            continue
+        rows.append([model.iloc[i], scheme.iloc[i], config.iloc[i], "CPU (QDQ)", num("metrics.ppl_qdq_sub").iloc[i],
+                     num("metrics.ppl_qdq").iloc[i], num("metrics.ppl_qdq_vs_fp").iloc[i], deployable.iloc[i]])
+        if pd.notna(num("metrics.ppl_deployed").iloc[i]):
+            target = column(runs, "tags.target").iloc[i]
+            rows.append([model.iloc[i], scheme.iloc[i], config.iloc[i], DEVICE_OF_TARGET.get(target, str(target)),
+                         num("metrics.ppl_deployed").iloc[i], np.nan, num("metrics.ppl_deployed_vs_fp").iloc[i],
+                         deployable.iloc[i]])
+    fp = pd.DataFrame({"model": model, "ppl": num("metrics.ppl_fp")}).dropna().drop_duplicates("model")
+    for _, row in fp.iterrows():
+        rows.append([row["model"], "fp32", "-", "CPU (PyTorch)", np.nan, row["ppl"], 0.0, "-"])
+    table = pd.DataFrame(rows, columns=HEADERS)
+    order = {"fp32": 0}
+    table["_fp"] = table["precision"].map(order).fillna(1)
+    table = table.sort_values(["model", "_fp", "precision", "config", "device"], kind="stable").drop(columns="_fp")
+    return table.reset_index(drop=True)
