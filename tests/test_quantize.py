@@ -40,6 +40,7 @@ def _quantize(setup, compose, tmp_path, overrides):
 
 EXPECTED_BITS = {  # scheme -> (activation bits, conv weight bits)
     "8a8w": (8, 8), "16a16w": (16, 16), "16a8w": (16, 8), "16a4w": (16, 4), "16a4w_block": (16, 4), "8a4w": (8, 4),
+    "16a3w": (16, 3), "16a3w_block": (16, 3),  # QDQ-only research schemes: 4-bit recipes narrowed to [-3, 3]
 }
 
 
@@ -55,7 +56,7 @@ def test_every_scheme_and_observer(setup, compose, tmp_path, scheme, observer):
     layer_weights = weights[weights["module"].str.match(r"layers\.\d+\..*_conv$")]
     assert len(layer_weights) == 7 * 2  # q, k, v, o, w1, w2, w3 in each of the two layers
     assert set(layer_weights["bits"]) == {weight_bits}, layer_weights[["module", "bits"]]
-    if scheme == "16a4w_block":
+    if scheme.endswith("_block"):
         assert "per_block" in set(layer_weights["granularity"])
     elif scheme == "16a16w":
         assert set(layer_weights["granularity"]) == {"per_tensor"}
@@ -64,7 +65,8 @@ def test_every_scheme_and_observer(setup, compose, tmp_path, scheme, observer):
     metrics = qdq.metrics()
     assert np.isfinite(metrics["ppl"])
     assert not np.allclose(qdq.logprobs, fp.logprobs)  # quantization did something
-    assert sqnr_db(fp.logits[0], qdq.logits[0]) > 3  # ... and the result still tracks the FP model
+    # ... and the result still tracks the FP model (3-bit weights track it less: ~3.3 dB on this random model)
+    assert sqnr_db(fp.logits[0], qdq.logits[0]) > (2 if weight_bits == 3 else 3)
 
 
 def test_more_bits_is_closer_to_fp(setup, compose, tmp_path):
