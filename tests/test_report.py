@@ -176,3 +176,26 @@ def test_main_on_a_store_of_legacy_runs(tmp_path):
     assert (out / "grid_ppl_vs_size.png").exists() and (out / "grid_ppl_vs_speed.png").exists()
     artifacts = {a.path for a in client.list_artifacts(parent, "report")}
     assert {"report/grid.md", "report/grid.csv", "report/grid_ppl_vs_speed.png"} <= artifacts
+
+
+def test_device_layout_gives_one_row_per_configuration_and_device():
+    """The seeds' layout: an HTP run gives a CPU (QDQ) row and an HTP emulator row, a QDQ-only run one row, the
+    model's FP reference one row; config names the algorithm (RTN when none) and the grids."""
+    from qexp.report.devices import device_table
+    from qexp.report.table import _derived
+
+    awq = {**PYTORCH, "run_id": "d", "tags.config_hash": "4", "tags.algorithm": "awq",
+           "tags.weight_grid": "int3 sym block 64", "tags.lm_head_grid": "int8 sym per channel",
+           "tags.deployable": "false", "params.quant.scheme": "16a3w_block", "tags.scheme": "16a3w_block",
+           "metrics.ppl_qdq": 40.0, "metrics.ppl_qdq_vs_fp": 0.6}
+    table = device_table(_derived(pd.DataFrame([HTP, XNNPACK, PYTORCH, awq])))
+    rows = {(r.precision, r.device): r for r in table.itertuples()}
+    assert list(table["precision"])[0] == "fp32" and table.iloc[0]["PPL (all windows)"] == 24.9
+    htp = rows[("16a8w", "HTP (x86 emulator)")]
+    assert htp[5] == 23.1 and np.isnan(htp[6])  # deployed subset only
+    cpu = rows[("16a8w", "CPU (QDQ)")]
+    assert cpu[5] == 23.0 and cpu[6] == 25.5  # QDQ on the deployed subset and on all windows
+    assert rows[("16a4w", "CPU (QDQ)")].config.startswith("RTN")
+    assert rows[("16a3w_block", "CPU (QDQ)")].config == "awq, int3 sym block 64, lm head int8 sym per channel"
+    assert rows[("16a3w_block", "CPU (QDQ)")].deployable == "false"
+    assert ("fp32", "XNNPACK (CPU)") not in rows  # the XNNPACK run's QNN scheme is fp32: no QDQ row of its own

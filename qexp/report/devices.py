@@ -19,14 +19,17 @@ HEADERS = ["model", "precision", "config", "device", "PPL (deployed subset)", "P
 
 
 def _config(runs: pd.DataFrame) -> pd.Series:
-    algorithm = column(runs, "tags.algorithm").fillna("RTN").replace("", "RTN")
-    weights = column(runs, "tags.weight_grid")
-    block = column(runs, "params.quant.block_size").astype(str)
-    granularity = column(runs, "params.quant.weight_granularity").astype(str)
-    fallback = np.where(granularity == "per_block", "block " + block, granularity)
-    weights = weights.where(weights.notna(), pd.Series(fallback, index=runs.index))
-    lm_head = column(runs, "tags.lm_head_grid").fillna("?")
-    return algorithm + ", " + weights.astype(str) + ", lm head " + lm_head.astype(str)
+    def text(name):
+        return [None if pd.isna(v) or v == "" else str(v) for v in column(runs, name)]
+
+    configs = []
+    for algorithm, weights, granularity, block, lm_head in zip(
+            text("tags.algorithm"), text("tags.weight_grid"), text("params.quant.weight_granularity"),
+            text("params.quant.block_size"), text("tags.lm_head_grid")):
+        if weights is None:  # runs from before the grid tags
+            weights = f"block {block}" if granularity == "per_block" else (granularity or "?")
+        configs.append(f"{algorithm or 'RTN'}, {weights}, lm head {lm_head or '?'}")
+    return pd.Series(configs, index=runs.index)
 
 
 def device_table(runs: pd.DataFrame) -> pd.DataFrame:
