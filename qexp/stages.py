@@ -145,6 +145,8 @@ def qdq(state) -> None:
                            timer=state.timer, recompose_hadamard=cfg.model.recompose_hadamard,
                            algorithms=algorithms)
     state.tags.update({"qdq_cache_key": key, "qdq_cache_hit": str(program.cache_hit).lower(), **grid_tags(cfg)})
+    if cfg.algorithm:  # every algorithm of the run in config order (the transform stage tags only model transforms)
+        state.tags["algorithm"] = ",".join(cfg.algorithm.keys())
     with state.timer.stage("eval_qdq"):
         result = evaluate(lambda ids: window_logits(program.module, static, ids), state.windows, "QDQ",
                           keep_logits=SQNR_WINDOWS)

@@ -22,9 +22,21 @@ def _config(runs: pd.DataFrame) -> pd.Series:
     def text(name):
         return [None if pd.isna(v) or v == "" else str(v) for v in column(runs, name)]
 
+    # model transforms are tagged in the order applied; calibration-time ones (seq_mse) only appear in the params
+    param_columns: dict = {}
+    for c in runs.columns:
+        if c.startswith("params.algorithm."):
+            param_columns.setdefault(c.split(".")[2], []).append(c)
+    from_params = [[a for a, cols in sorted(param_columns.items()) if row[cols].notna().any()]
+                   for _, row in runs.iterrows()]
+    tagged = text("tags.algorithm")
+    ordered = []
+    for tag, extra in zip(tagged, from_params):
+        names = tag.split(",") if tag else []
+        ordered.append(",".join(names + [a for a in extra if a not in names]) or None)
     configs = []
     for algorithm, weights, granularity, block, lm_head in zip(
-            text("tags.algorithm"), text("tags.weight_grid"), text("params.quant.weight_granularity"),
+            ordered, text("tags.weight_grid"), text("params.quant.weight_granularity"),
             text("params.quant.block_size"), text("tags.lm_head_grid")):
         if weights is None:  # runs from before the grid tags
             weights = f"block {block}" if granularity == "per_block" else (granularity or "?")
