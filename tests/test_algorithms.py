@@ -61,8 +61,8 @@ def sqnr_db(ref, x):
 # ------------------------------------------------------------------ the grid
 def test_grid_is_qnnquantizers_grid(compose):
     """Fake-quantizing the Meta weights with grid_for(...) gives exactly the converted QDQ program's weights:
-    per channel, per block and the 8-bit lm-head override."""
-    for quant in (["quant=16a4w"], ["quant=16a4w_block", "quant.block_size=16"], ["quant=16a3w"]):
+    4-bit per channel, 3-bit per block and the 8-bit lm-head override."""
+    for quant in (["quant=16a4w"], ["quant=16a3w_block", "quant.block_size=16"]):
         state = prepare(compose(TINY + quant), through="qdq")
         weights = program_weights(state.qdq.program.module)
         model, static = state.model, state.static
@@ -76,7 +76,7 @@ def test_grid_is_qnnquantizers_grid(compose):
             assert torch.allclose(got, expected_rows, rtol=0, atol=1e-6), (quant, key)
             checked += 1
         assert checked == 8
-        if quant == ["quant=16a3w"]:
+        if quant[0] == "quant=16a3w_block":
             assert int(weights["layers.0.attention.wq_conv.weight"][0].abs().max()) == 3
 
 
