@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from qexp.errors import ConfigError
-from qexp.transforms.base import ModelTransform, TransformConfig, register_transform
+from qexp.transforms.base import GridSearchTransform, TransformConfig, register_transform
 from qexp.transforms.capture import LayerByLayer, private_static
 from qexp.transforms.grid import WeightGrid, grid_for
 
@@ -123,23 +123,16 @@ def search_clip(w: torch.Tensor, grid: WeightGrid, x: torch.Tensor, n_grid: int,
 
 
 @register_transform
-class Awq(ModelTransform):
+class Awq(GridSearchTransform):
     name = "awq"
     version = 2  # 2: q/k/v and gate/up scales judged on the decoder layer's output
     config_class = AwqConfig
-    needs_calibration = True
-    cacheable = True
 
     def validate(self, cfg) -> None:
-        if cfg.quant.scheme == "fp32":
-            raise ConfigError("algorithm awq searches against a quantization grid, and quant=fp32 has none",
-                              "choose a weight-quantized scheme, e.g. quant=16a4w")
+        super().validate(cfg)
         if not 1 <= self.config.n_grid <= 1000 or not 0 < self.config.clip_max_shrink < 1:
             raise ConfigError(f"algorithm.awq: n_grid={self.config.n_grid}, clip_max_shrink="
                               f"{self.config.clip_max_shrink}", "use 1 <= n_grid <= 1000 and 0 < clip_max_shrink < 1")
-
-    def grid_dependency(self, cfg) -> dict:
-        return quant_grid_fingerprint(cfg)
 
     def apply(self, model, context):
         cfg, config = context.cfg, self.config
@@ -213,10 +206,3 @@ def _subsample(x: torch.Tensor, n: int) -> torch.Tensor:
     if x.shape[0] <= n:
         return x
     return x[torch.linspace(0, x.shape[0] - 1, n).long()]
-
-
-def quant_grid_fingerprint(cfg) -> Dict:
-    """What in the quant config decides the weight grids (the algorithms that search against it depend on it)."""
-    q = cfg.quant
-    return {"scheme": q.scheme, "weight_granularity": str(q.weight_granularity), "block_size": q.block_size,
-            "overrides": [(o.pattern, o.scheme, str(o.granularity), o.block_size) for o in q.overrides]}

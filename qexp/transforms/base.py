@@ -95,6 +95,26 @@ class CalibrationAlgorithm(ModelTransform):
         raise NotImplementedError
 
 
+class GridSearchTransform(ModelTransform):
+    """A calibrated, cached transform that searches against the run's weight grid (AWQ, GPTQ): it needs a weight-
+    quantized scheme, and the grid is part of its fingerprint."""
+
+    needs_calibration = True
+    cacheable = True
+    needs_grid_because: ClassVar[str] = "searches against a quantization grid"
+
+    def validate(self, cfg) -> None:
+        if cfg.quant.scheme == "fp32":
+            raise ConfigError(f"algorithm {self.name} {self.needs_grid_because}, and quant=fp32 has none",
+                              "choose a weight-quantized scheme, e.g. quant=16a4w")
+
+    def grid_dependency(self, cfg) -> Dict[str, Any]:
+        """What in the quant config decides the weight grids."""
+        q = cfg.quant
+        return {"scheme": q.scheme, "weight_granularity": str(q.weight_granularity), "block_size": q.block_size,
+                "overrides": [(o.pattern, o.scheme, str(o.granularity), o.block_size) for o in q.overrides]}
+
+
 TRANSFORMS: Dict[str, Type[ModelTransform]] = {}
 
 

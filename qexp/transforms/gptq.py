@@ -26,8 +26,7 @@ import torch
 from tqdm import tqdm
 
 from qexp.errors import ConfigError
-from qexp.transforms.awq import quant_grid_fingerprint
-from qexp.transforms.base import ModelTransform, TransformConfig, register_transform
+from qexp.transforms.base import GridSearchTransform, TransformConfig, register_transform
 from qexp.transforms.capture import LayerByLayer, private_static
 from qexp.transforms.grid import WeightGrid, grid_for, layer_linears
 
@@ -80,22 +79,16 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, grid: WeightGrid, damp: floa
 
 
 @register_transform
-class Gptq(ModelTransform):
+class Gptq(GridSearchTransform):
     name = "gptq"
     config_class = GptqConfig
-    needs_calibration = True
-    cacheable = True
+    needs_grid_because = "rounds weights onto a quantization grid"
 
     def validate(self, cfg) -> None:
-        if cfg.quant.scheme == "fp32":
-            raise ConfigError("algorithm gptq rounds weights onto a quantization grid, and quant=fp32 has none",
-                              "choose a weight-quantized scheme, e.g. quant=16a4w")
+        super().validate(cfg)
         if not 0 <= self.config.damp < 1 or self.config.block_size < 1:
             raise ConfigError(f"algorithm.gptq: damp={self.config.damp}, block_size={self.config.block_size}",
                               "use 0 <= damp < 1 and block_size >= 1")
-
-    def grid_dependency(self, cfg) -> dict:
-        return quant_grid_fingerprint(cfg)
 
     def apply(self, model, context):
         cfg, config = context.cfg, self.config
