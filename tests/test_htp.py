@@ -175,3 +175,13 @@ def test_r3_as_hadamard_transform_is_refused_clearly(compose, scheme):
 
     with pytest.raises(ConfigError, match="recompose_hadamard=false"):
         validate(compose(HTP_RUN + [f"quant={scheme}", "model.r3=true", "model.recompose_hadamard=true"]))
+
+
+def test_lpbq_block_sizes_the_emulator_cannot_run_are_refused_before_compiling(compose):
+    """Block 64 segfaults QNN's x86 HTP emulator (seen on SmolLM2 with AWQ + 16a4w_block/64): one line, no compile."""
+    from qexp.errors import ConfigError
+    from qexp.pipeline import validate
+
+    with pytest.raises(ConfigError, match="LPBQ block_size=64"):
+        validate(compose(TINY + ["quant=16a4w_block", "quant.block_size=64", "backend=htp"]))
+    validate(compose(TINY + ["quant=16a4w_block", "quant.block_size=32", "backend=htp"]))

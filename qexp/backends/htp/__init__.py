@@ -44,6 +44,7 @@ class HtpBackend(Backend):
                 "libraries",
                 "set model.recompose_hadamard=false (the rotation stays a matmul: same weights, same math)",
             )
+        _check_lpbq_block_sizes(cfg.quant)
         decode_ar = graph_ar_lens(backend)[KV_GRAPH]
         if backend.model_mode == ModelMode.lookahead:
             if backend.ngram < 2 or backend.window < 1 or backend.gcap < 1:
@@ -64,3 +65,22 @@ class HtpBackend(Backend):
         from qexp.backends.htp.phase import run_phase
 
         return run_phase(inputs)
+
+
+# LPBQ block sizes this QNN SDK's x86 HTP emulator runs correctly. Block 64 segfaults it (`thr_hvx` in
+# libQnnHtp.so while running AWQ + 16a4w_block/64 on SmolLM2, and on a one-layer probe); blocks 48 and 144 return
+# garbage on that probe (issue #18). Only 32 (upstream's Llama recipe) is verified.
+HTP_LPBQ_BLOCK_SIZES = (32,)
+
+
+def _check_lpbq_block_sizes(quant) -> None:
+    from qexp.config import Granularity
+
+    sizes = {quant.block_size} if quant.weight_granularity == Granularity.per_block else set()
+    sizes |= {o.block_size for o in quant.overrides if o.granularity == Granularity.per_block}
+    bad = sorted(sizes - set(HTP_LPBQ_BLOCK_SIZES))
+    if bad:
+        raise ConfigError(
+            f"backend=htp with LPBQ block_size={bad[0]}: this QNN SDK's HTP emulator crashes or returns garbage for "
+            f"it (block 64 segfaults libQnnHtp.so)",
+            f"use quant.block_size={HTP_LPBQ_BLOCK_SIZES[0]} for HTP, or backend=none for the QDQ phase only")
