@@ -156,11 +156,7 @@ class Awq(GridSearchTransform):
             for previous, names, input_name, through_layer in groups:
                 grids = [grid_for(cfg.quant, n) for n in names]
                 weights = [state[n] for n in names]
-                loss = None
-                if through_layer:
-                    def loss(s, names=names, grids=grids, weights=weights):
-                        return layer_loss({n: g.quantize(w * s) / s for n, g, w in zip(names, grids, weights)},
-                                          {n: state[n] for n in names})
+                loss = layer_loss.of_scales(names, grids, weights) if through_layer else None
                 s = search_scale(weights, grids, x[input_name], config.n_grid, config.duo_scaling, loss)
                 for n in names:
                     state[n] = state[n] * s
@@ -193,6 +189,11 @@ class _LayerOutputLoss:
     def _output(self) -> torch.Tensor:
         block = self.runner.layers[self.layer]
         return torch.cat([block(self.runner.hidden[s], **self.runner.side[s][self.layer])[0] for s in self.samples])
+
+    def of_scales(self, names, grids, weights) -> Callable[[torch.Tensor], float]:
+        """L(s) for a group: the layer's output error with its linears replaced by Q(W s) / s."""
+        original = dict(zip(names, weights))
+        return lambda s: self({n: g.quantize(w * s) / s for n, g, w in zip(names, grids, weights)}, original)
 
     def __call__(self, replacement: Dict[str, torch.Tensor], original: Dict[str, torch.Tensor]) -> float:
         self.static.update_weights(replacement)

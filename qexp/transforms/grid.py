@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
@@ -92,8 +92,3 @@ def grid_for(quant_cfg, meta_key: str) -> Optional[WeightGrid]:
             return WeightGrid(weight_bits(override.scheme), block)
     block = quant_cfg.block_size if quant_cfg.weight_granularity == Granularity.per_block else None
     return WeightGrid(weight_bits(quant_cfg.scheme), block)
-
-
-def grids(quant_cfg, state_dict: Dict[str, torch.Tensor], n_layers: int) -> Dict[str, WeightGrid]:
-    """Grid of every decoder-layer linear (the layers the algorithms act on)."""
-    return {k: grid_for(quant_cfg, k) for i in range(n_layers) for k in layer_linears(i) if k in state_dict}
