@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 
@@ -10,6 +11,13 @@ from omegaconf import DictConfig
 
 import qexp.config  # noqa: F401 - registers the structured config schema
 from qexp.errors import QexpError
+
+
+# A native crash (a segfault in QNN's emulator) kills the process before Python can report anything: faulthandler
+# prints where it happened, on a copy of the terminal's stderr because the deploy stage sends fd 2 to native.log.
+# The tracking watchdog then ends the run KILLED (qexp/tracking/watchdog.py).
+_TERMINAL_STDERR = os.fdopen(os.dup(2), "w")
+faulthandler.enable(file=_TERMINAL_STDERR, all_threads=False)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

@@ -42,6 +42,11 @@ class CalibrationKind(enum.Enum):
     chat = "chat"
 
 
+class CalibrationSampling(enum.Enum):
+    contiguous = "contiguous"
+    spread = "spread"
+
+
 # Quantization schemes qexp knows, as QnnQuantizer's QuantDtype names without the `use_` prefix.
 SCHEMES = ("8a8w", "16a16w", "16a8w", "16a4w", "16a4w_block", "8a4w", "16a3w", "16a3w_block")
 # Research schemes QnnQuantizer can simulate (QDQ on the CPU) but no QNN backend runs: HTP has no 3-bit weights.
@@ -124,6 +129,9 @@ class CalibrationConfig:
     kind: CalibrationKind = MISSING
     limit: int = 8  # samples
     seq_len: int = 256  # tokens per sample (wikitext); prompts and chats are truncated to it
+    # wikitext only. contiguous: consecutive samples from the start of the split (on the gensim excerpt, 8x256
+    # tokens all come from one article). spread: samples start at evenly spaced paragraphs across the whole split.
+    sampling: CalibrationSampling = CalibrationSampling.contiguous
     prompts: List[str] = field(default_factory=list)
     chat_path: Optional[str] = None  # JSON file: a list of {"messages": [...]} (or one such object)
     chat_template: Optional[str] = None  # Jinja template for tokenizers that carry none

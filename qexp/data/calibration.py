@@ -17,7 +17,7 @@ from typing import List
 
 import numpy as np
 
-from qexp.config import CalibrationConfig, CalibrationKind
+from qexp.config import CalibrationConfig, CalibrationKind, CalibrationSampling
 from qexp.errors import ConfigError, InputError
 from qexp.data.text import TextCorpus
 from qexp.data.windows import Windows, encode_prefix
@@ -59,8 +59,13 @@ def build_calibration(
         )
     prefix = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
     if cfg.kind == CalibrationKind.wikitext:
-        samples = _text_samples(corpus.joined("calibration"), tokenizer, cfg.seq_len - len(prefix), cfg.limit)
-        description = f"{corpus.source}:calibration split"
+        text, body = corpus.joined("calibration"), cfg.seq_len - len(prefix)
+        if cfg.sampling == CalibrationSampling.spread:
+            samples = _spread_samples(text, tokenizer, body, cfg.limit)
+            description = f"{corpus.source}:calibration split, {cfg.limit} spread samples"
+        else:
+            samples = _text_samples(text, tokenizer, body, cfg.limit)
+            description = f"{corpus.source}:calibration split"
     elif cfg.kind == CalibrationKind.prompt:
         prompts = [p for p in cfg.prompts if p and p.strip()]
         if not prompts:
@@ -88,6 +93,21 @@ def _text_samples(text: str, tokenizer: Tokenizer, body: int, limit: int) -> Lis
     if not ids:
         raise InputError("the calibration text is empty", "check the text source")
     return [ids[i : i + body] for i in range(0, min(len(ids), needed), body)]
+
+
+def _spread_samples(text: str, tokenizer: Tokenizer, body: int, limit: int) -> List[List[int]]:
+    """One sample of `body` tokens from each of `limit` evenly spaced paragraph starts of the text, so the samples
+    cover many articles instead of the first one."""
+    samples = []
+    for i in range(limit):
+        start = text.find("\n\n", i * len(text) // limit)
+        start = 0 if start < 0 or i == 0 else start + 2
+        ids = encode_prefix(text[start:], tokenizer, body, chunk_chars=4 * body)[:body]
+        if ids:
+            samples.append(ids)
+    if not samples:
+        raise InputError("the calibration text is empty", "check the text source")
+    return samples
 
 
 def _read_chats(path: str) -> list:

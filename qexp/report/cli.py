@@ -92,6 +92,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 "PPL (deployed subset): the tokens the deployed phase scored, with QDQ on the same "
                                 "tokens in its CPU row. Δ vs FP on the row's own tokens. A 3-bit scheme is QDQ-only "
                                 "(deployable = false): HTP has no 3-bit weights.")
+        left_out = runs.attrs.get("left_out") or {}
+        if left_out:
+            report.notes.append("Left out (never finished): " + ", ".join(
+                f"{n} {status}" for status, n in sorted(left_out.items())) + ".")
         name = args.name or args.sweep or args.experiment
         source = f"MLflow experiment `{args.experiment}`" + (f", sweep `{args.sweep}`" if args.sweep else "")
         paths = write(report, name, command, source + f" ({len(runs)} runs)", Path(args.out_dir))
@@ -100,6 +104,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"qexp.report: error: {exc}", file=sys.stderr)
         return 2
     print(formatted(report.table).to_string(index=False))
+    if left_out:
+        print("left out (never finished): " + ", ".join(f"{n} {status}" for status, n in sorted(left_out.items())))
     print("wrote " + ", ".join(str(p) for p in paths) + (f"; attached to parent run {parent}" if parent else ""))
     return 0
 

@@ -71,18 +71,27 @@ def load_runs(experiment: str, sweep: Optional[str] = None, filter_string: str =
     """FINISHED runs of an experiment (optionally one sweep's), newest first, one per config hash."""
     import mlflow
 
+    from qexp.tracking.store import reconcile_once
+
     mlflow.set_tracking_uri(tracking_uri or _default_tracking_uri())
-    if mlflow.get_experiment_by_name(experiment) is None:
+    found = mlflow.get_experiment_by_name(experiment)
+    if found is None:
         raise ReportError(f"no MLflow experiment {experiment!r} in {mlflow.get_tracking_uri()}",
                           "pass --experiment (see `make ui`) or --tracking-uri")
-    clauses = ["attributes.status = 'FINISHED'"] + ([filter_string] if filter_string else [])
-    if sweep:
-        clauses.append(f"tags.`{SWEEP_TAG}` = '{sweep}'")
-    runs = mlflow.search_runs(experiment_names=[experiment], filter_string=" and ".join(clauses),
-                              order_by=["attributes.start_time DESC"], output_format="pandas")
+    reconcile_once(mlflow.get_tracking_uri(), found.experiment_id)  # dead RUNNING runs become KILLED first
+    clauses = ([filter_string] if filter_string else []) + ([f"tags.`{SWEEP_TAG}` = '{sweep}'"] if sweep else [])
+    runs = mlflow.search_runs(experiment_names=[experiment], filter_string=" and ".join(
+        ["attributes.status = 'FINISHED'"] + clauses), order_by=["attributes.start_time DESC"], output_format="pandas")
+    unfinished = mlflow.search_runs(experiment_names=[experiment], filter_string=" and ".join(
+        ["attributes.status != 'FINISHED'"] + clauses), output_format="pandas")
+    if not unfinished.empty and f"tags.{ROLE_TAG}" in unfinished:
+        unfinished = unfinished[unfinished[f"tags.{ROLE_TAG}"] != "sweep"]
     if runs.empty:
         raise ReportError(f"no FINISHED runs in experiment {experiment!r}" + (f" for sweep {sweep!r}" if sweep else "")
                           + (f" matching {filter_string!r}" if filter_string else ""), "check the names (`make ui`)")
     if f"tags.{ROLE_TAG}" in runs:
         runs = runs[runs[f"tags.{ROLE_TAG}"] != "sweep"]
-    return with_current_names(runs.drop_duplicates("tags.config_hash", keep="first").reset_index(drop=True))
+    runs = with_current_names(runs.drop_duplicates("tags.config_hash", keep="first").reset_index(drop=True))
+    # What the table leaves out, so the report can say so: runs that never finished (FAILED, KILLED, RUNNING).
+    runs.attrs["left_out"] = unfinished["status"].value_counts().to_dict() if not unfinished.empty else {}
+    return runs

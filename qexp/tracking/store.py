@@ -44,6 +44,26 @@ def flatten(cfg: DictConfig | dict, prefix: str = "") -> Dict[str, str]:
     return out
 
 
+_RECONCILED: set = set()  # (store, experiment) pairs this process has reconciled
+
+
+def reconcile_once(uri: str, experiment_id: str) -> None:
+    """Mark this host's dead RUNNING runs of the experiment KILLED, once per process (see liveness.py)."""
+    from qexp.tracking.liveness import reconcile
+
+    if (uri, experiment_id) not in _RECONCILED:
+        _RECONCILED.add((uri, experiment_id))
+        reconcile(mlflow.tracking.MlflowClient(uri), experiment_id)
+
+
+def watch_experiment(uri: str, experiment_id: str) -> None:
+    """Reconcile dead runs now, and have a watchdog end this process's runs KILLED if it dies uncaught."""
+    from qexp.tracking.watchdog import watch
+
+    reconcile_once(uri, experiment_id)
+    watch(uri, experiment_id)
+
+
 class Tracker:
     def __init__(self, cfg: TrackingConfig):
         self.cfg = cfg
@@ -59,16 +79,19 @@ class Tracker:
         try:
             experiment = mlflow.get_experiment_by_name(self.cfg.experiment)
             if experiment is not None:
-                return experiment.experiment_id
-            artifact_location = None
-            if self.uri == embedded_store_uri():
-                artifact_location = (REPO_ROOT / "mlartifacts").as_uri()
-            return mlflow.create_experiment(self.cfg.experiment, artifact_location=artifact_location)
+                experiment_id = experiment.experiment_id
+            else:
+                artifact_location = None
+                if self.uri == embedded_store_uri():
+                    artifact_location = (REPO_ROOT / "mlartifacts").as_uri()
+                experiment_id = mlflow.create_experiment(self.cfg.experiment, artifact_location=artifact_location)
         except Exception as exc:  # noqa: BLE001 - any store failure is the user's store, reported in one line
             raise TrackingError(
                 f"MLflow store {self.uri} is not usable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
                 "check tracking.uri / MLFLOW_TRACKING_URI",
             ) from exc
+        watch_experiment(self.uri, experiment_id)
+        return experiment_id
 
     def _check_server(self) -> None:
         import requests
@@ -97,8 +120,10 @@ class Tracker:
 
     # ---- run lifecycle
     def start(self, run_name: Optional[str], tags: Dict[str, str]) -> str:
+        from qexp.tracking.liveness import owner_tags
+
         experiment_id = self.connect()
-        self.run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=tags)
+        self.run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags={**tags, **owner_tags()})
         log.info("MLflow run %s in %s (experiment %s)", self.run.info.run_id, self.uri, self.cfg.experiment)
         return self.run.info.run_id
 

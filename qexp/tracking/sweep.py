@@ -139,6 +139,7 @@ class SweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from mlflow.tracking import MlflowClient
 
+        from qexp.tracking.liveness import owner_tags
         from qexp.tracking.store import Tracker
 
         sweep_dir = Path(config.hydra.sweep.dir).resolve()
@@ -151,7 +152,7 @@ class SweepCallback(Callback):
         sweep_params = _sweeper_params(config)
         run = client.create_run(experiment_id, run_name=f"sweep:{name}", tags={
             ROLE_TAG: "sweep", SWEEP_TAG: name, "sweep_dir": str(sweep_dir), "command": command,
-            "launcher": str(config.hydra.launcher.get("_target_", "")),
+            "launcher": str(config.hydra.launcher.get("_target_", "")), **owner_tags(),
         })
         overrides = list(config.hydra.overrides.task)
         client.log_param(run.info.run_id, "sweep.overrides", " ".join(overrides)[:6000])
