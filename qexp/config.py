@@ -160,6 +160,13 @@ class ExportConfig:
 
 
 @dataclass
+class CacheConfig:
+    # Bound on the cache's size: after each run, the least recently used entries beyond it are removed (never one
+    # the run used). null = unbounded; `python -m qexp.cache list|prune` manages it by hand.
+    max_gb: Optional[float] = None
+
+
+@dataclass
 class TrackingConfig:
     name: str = "local"
     # null = $MLFLOW_TRACKING_URI if set, else the embedded store in the repo (sqlite:///<repo>/mlruns.db).
@@ -190,6 +197,7 @@ class QexpConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     # Where derived artifacts (dequantized models, calibrated programs) are cached, content-addressed.
     cache_dir: str = MISSING
+    cache: CacheConfig = field(default_factory=CacheConfig)
     # Show native libraries' output (QNN compile progress, runtime INFO lines) live instead of only in native.log.
     verbose: bool = False
 

@@ -114,6 +114,8 @@ def validate(cfg: DictConfig) -> Backend:
                               f"lower {key} or raise export.max_context_len")
     if cfg.eval.limit < 1:
         raise ConfigError(f"eval.limit={cfg.eval.limit}", "evaluate at least one window")
+    if cfg.cache.max_gb is not None and cfg.cache.max_gb <= 0:
+        raise ConfigError(f"cache.max_gb={cfg.cache.max_gb}", "use a positive size in GiB, or null for no bound")
     backend.validate(cfg)
     return backend
 
@@ -139,6 +141,7 @@ def run_experiment(cfg: DictConfig, job: Optional["SweepJob"] = None) -> Experim
             Tracker.text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
             backend = validate(cfg)  # inside the run: a bad config leaves a FAILED run that says why
             state = RunState(cfg, backend, tracked=True)
+            state.cache.run_id = run_id  # each cache entry records the runs that used it
             Tracker.tags({"phases": _phases(state), "scheme": backend.scheme(cfg)})
             result = execute(state)
             Tracker.tags(result.tags)
@@ -156,6 +159,10 @@ def run_experiment(cfg: DictConfig, job: Optional["SweepJob"] = None) -> Experim
             except AttributeError:
                 pass
             raise
+    if cfg.cache.max_gb is not None:
+        from qexp.cache.usage import prune
+
+        prune(state.cache.root, max_bytes=int(cfg.cache.max_gb * 2**30), keep_run=run_id)
     if job is not None:
         job.record("finished", run_id, chash)
     return result

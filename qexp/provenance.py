@@ -24,7 +24,7 @@ QDQ_CACHE_VERSION = 2
 def config_hash(cfg: DictConfig) -> str:
     """Hash of everything that determines a run's results (not where it is tracked or cached)."""
     container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    for volatile in ("tracking", "cache_dir", "verbose"):
+    for volatile in ("tracking", "cache_dir", "cache", "verbose"):
         container.pop(volatile, None)
     return stable_hash(container, length=16)
 

@@ -1,0 +1,176 @@
+"""Content-addressed cache for derived artifacts (dequantized models, calibrated programs, ...).
+
+An entry is a directory `<root>/<kind>/<key>/`, where key is a hash of everything that determines its content.
+It is built in a temporary sibling directory and renamed into place, so a reader never sees a half-written entry
+and concurrent builders of the same key are safe (the loser discards its copy). A `lock` serialises builders
+of one key within a machine so they do not do the same expensive work twice.
+
+An entry heals: its `.manifest.json` records every file's size and xxh3 hash, and every read checks them. A missing,
+truncated or corrupt entry is moved to `<root>/.quarantine/`, rebuilt with a warning, and the run goes on. Each read
+appends to the entry's `.uses.jsonl` (time, run id), which `python -m qexp.cache list` shows and `prune` uses
+(least recently used first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, Optional
+
+log = logging.getLogger("qexp")
+
+COMPLETE = ".complete"  # the entry's metadata; its presence marks the entry complete
+MANIFEST = ".manifest.json"  # {relative path: {"size": bytes, "xxh3": hex}} of every file of the entry
+USES = ".uses.jsonl"  # one line per read or build: {"time": epoch s, "run_id": ...}
+BOOKKEEPING = (COMPLETE, MANIFEST, USES)
+QUARANTINE = ".quarantine"
+
+
+def stable_hash(obj: Any, length: int = 16) -> str:
+    """Hash of a JSON-able object, independent of dict order."""
+    blob = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:length]
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_xxh3(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def entry_files(entry: Path) -> Iterator[Path]:
+    for path in sorted(entry.rglob("*")):
+        if (path.is_symlink() or path.is_file()) and not (path.parent == entry and path.name in BOOKKEEPING):
+            yield path
+
+
+def _fingerprint(path: Path) -> dict:
+    if path.is_symlink():  # e.g. the QNN SDK entry links the wheel's libraries: the link is the content
+        return {"link": os.readlink(path)}
+    return {"size": path.stat().st_size, "xxh3": file_xxh3(path)}
+
+
+def manifest_of(entry: Path) -> Dict[str, dict]:
+    return {str(p.relative_to(entry)): _fingerprint(p) for p in entry_files(entry)}
+
+
+def damage(entry: Path) -> Optional[str]:
+    """What is wrong with a complete entry's files, or None. An entry written before manifests existed gets one now
+    (trusted as it is)."""
+    manifest_path = entry / MANIFEST
+    if not manifest_path.exists():
+        _write_json(manifest_path, manifest_of(entry))
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return f"unreadable manifest ({type(exc).__name__})"
+    for name, expected in manifest.items():
+        path = entry / name
+        if "link" in expected:
+            if not path.is_symlink() or os.readlink(path) != expected["link"] or not path.exists():
+                return f"{name} no longer links to an existing {expected['link']}"
+            continue
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"{name} is {size} bytes, expected {expected['size']} (truncated or overwritten)"
+        if file_xxh3(path) != expected["xxh3"]:
+            return f"{name} does not match its hash (corrupt)"
+    return None
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, default=str))
+    os.replace(tmp, path)
+
+
+class Cache:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(os.path.expanduser(str(root)))
+        self.run_id: Optional[str] = None  # recorded in each entry's .uses.jsonl (set by the pipeline)
+
+    def path(self, kind: str, key: str) -> Path:
+        return self.root / kind / key
+
+    def has(self, kind: str, key: str) -> bool:
+        return (self.path(kind, key) / COMPLETE).exists()
+
+    def _record_use(self, entry: Path) -> None:
+        with open(entry / USES, "a") as f:
+            f.write(json.dumps({"time": round(time.time(), 1), "run_id": self.run_id}) + "\n")
+
+    def _quarantine(self, kind: str, key: str, problem: str) -> Path:
+        target = self.root / QUARANTINE / f"{kind}-{key}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(self.path(kind, key), target)
+        log.warning("cache: %s entry %s is damaged (%s): moved to %s and rebuilt", kind, key, problem, target)
+        return target
+
+    def _usable(self, kind: str, key: str) -> bool:
+        """A complete, undamaged entry (its use recorded). A damaged one is quarantined; the caller rebuilds it."""
+        if not self.has(kind, key):
+            return False
+        problem = damage(self.path(kind, key))
+        if problem is None:
+            self._record_use(self.path(kind, key))
+            return True
+        self._quarantine(kind, key, problem)
+        return False
+
+    @contextlib.contextmanager
+    def lock(self, kind: str, key: str) -> Iterator[None]:
+        lock_dir = self.root / kind
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        with open(lock_dir / f".{key}.lock", "w") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def get_or_build(self, kind: str, key: str, build: Callable[[Path], dict | None]) -> tuple[Path, bool]:
+        """Return (entry directory, hit). `build(tmp_dir)` writes the entry's files and may return metadata."""
+        final = self.path(kind, key)
+        with self.lock(kind, key):  # also keeps a reader from checking an entry another process quarantines
+            if self._usable(kind, key):
+                return final, True
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=final.parent))
+            try:
+                meta = build(tmp) or {}
+                _write_json(tmp / MANIFEST, manifest_of(tmp))
+                (tmp / COMPLETE).write_text(json.dumps(meta, default=str))
+                self._record_use(tmp)
+                if final.exists():  # an incomplete leftover of a killed build
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        return final, False
+
+    def meta(self, kind: str, key: str) -> dict:
+        return json.loads((self.path(kind, key) / COMPLETE).read_text())
