@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 import qexp.config  # noqa: F401 - registers the structured config schema
 from qexp.errors import QexpError
+from qexp.tracking.redact import mask_log_records
 
 
 # A native crash (a segfault in QNN's emulator) kills the process before Python can report anything: faulthandler
@@ -18,13 +19,16 @@ from qexp.errors import QexpError
 # The tracking watchdog then ends the run KILLED (qexp/tracking/watchdog.py).
 _TERMINAL_STDERR = os.fdopen(os.dup(2), "w")
 faulthandler.enable(file=_TERMINAL_STDERR, all_threads=False)
+mask_log_records()  # before Hydra logs anything: its launcher prints each job's overrides, passwords included
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     from qexp.pipeline import run_experiment
+    from qexp.tracking.redact import redact_hydra_outputs, redact_text
     from qexp.tracking.sweep import current_job
 
+    redact_hydra_outputs()
     job = current_job(cfg.tracking.sweep)
     try:
         result = run_experiment(cfg, job)
@@ -34,11 +38,11 @@ def main(cfg: DictConfig) -> float | None:
     except Exception as exc:  # noqa: BLE001 - reported in one line; details in the MLflow run
         if isinstance(exc, QexpError):
             # One readable line, no traceback: the error is the user's input or environment.
-            message = f"qexp: error: {exc}"
+            message = redact_text(f"qexp: error: {exc}")
         else:  # a bug or an upstream failure
             if os.environ.get("QEXP_TRACEBACK"):
                 raise
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            first_line = redact_text(str(exc).splitlines()[0]) if str(exc) else ""
             message = (f"qexp: failed: {type(exc).__name__}: {first_line} (traceback: error.txt of the MLflow run, "
                        "or rerun with QEXP_TRACEBACK=1)")
         if job is not None:

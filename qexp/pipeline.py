@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import numpy as np
 import pandas as pd
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from qexp.backends import Backend, QdqPhase, get_backend
 from qexp.cache import Cache
@@ -26,7 +26,7 @@ from qexp.errors import ConfigError
 from qexp.provenance import config_hash, environment_tags, pin_cpu_numerics
 from qexp.timing import StageTimer, peak_rss_mb
 from qexp.tracking.runlog import captured_log
-from qexp.tracking.store import Tracker, flatten
+from qexp.tracking.store import Tracker, config_yaml, flatten
 
 if TYPE_CHECKING:
     from qexp.tracking.sweep import SweepJob
@@ -138,7 +138,7 @@ def run_experiment(cfg: DictConfig, job: Optional["SweepJob"] = None) -> Experim
         run_id = tracker.start(cfg.tracking.run_name or _default_run_name(cfg), tags)
         try:
             Tracker.params(flatten(cfg))
-            Tracker.text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+            Tracker.text(config_yaml(cfg), "config.yaml")
             backend = validate(cfg)  # inside the run: a bad config leaves a FAILED run that says why
             state = RunState(cfg, backend, tracked=True)
             state.cache.run_id = run_id  # each cache entry records the runs that used it

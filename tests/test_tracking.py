@@ -3,10 +3,12 @@ run ends FAILED with its error; an unreachable server is one clear error before 
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -151,3 +153,49 @@ def test_window_longer_than_model_context(compose):
     cfg = compose(TINY + ["eval.seq_len=2048", "export.max_context_len=2048", "calibration.seq_len=64"])
     with pytest.raises(InputError, match="larger than the model's context"):
         run_experiment(cfg)
+
+
+def test_credentials_never_reach_the_store_logs_or_outputs(mlflow_server, cache_dir, tmp_path):
+    """A sweep against a server addressed with a password in its URI: the password appears in no param, tag,
+    artifact, store file (the server's sqlite and artifact root are under tmp_path), terminal line or Hydra output
+    file; the one file that holds the URI (the sweep file the jobs connect with) is readable by its owner only."""
+    from helpers import REPO
+
+    secret = "S3cr3tPassw0rd"
+    uri = mlflow_server.replace("http://", f"http://alice:{secret}@")
+    out = subprocess.run(
+        [sys.executable, "-m", "qexp", "-m", *TINY, "eval.limit=2", "quant=fp32,16a8w", f"tracking.uri={uri}",
+         "tracking.experiment=secrets", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        cwd=REPO, env={**os.environ, "QEXP_CACHE_DIR": str(cache_dir)}, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert secret not in out.stdout + out.stderr
+    client = MlflowClient(mlflow_server)
+    runs = client.search_runs([client.get_experiment_by_name("secrets").experiment_id])
+    assert len(runs) == 3  # the parent and two jobs
+    for run in runs:
+        assert secret not in repr(run.data.params) + repr(run.data.tags), run.info.run_id
+    assert any("alice:***@" in run.data.params.get("tracking.uri", "") for run in runs)
+    holders = [p for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert [p.name for p in holders] == ["qexp_sweep.json"], holders
+    assert oct(holders[0].stat().st_mode & 0o777) == "0o600"
+
+
+def test_secret_named_settings_and_uri_credentials_are_masked():
+    from qexp.tracking.redact import redact, redact_text
+
+    assert redact({"model": {"hf_token": "hf_abc", "path": "/m"}, "db_password": "pw", "n": 3}) == {
+        "model": {"hf_token": "***", "path": "/m"}, "db_password": "***", "n": 3}
+    assert redact_text("uri=https://bob:pw@host/x?api_key=k&page=2 user_token=t") == (
+        "uri=https://bob:***@host/x?api_key=***&page=2 user_token=***")
+    assert redact_text("sqlite:////home/me/mlruns.db") == "sqlite:////home/me/mlruns.db"
+
+
+def test_the_embedded_store_and_the_cache_are_private(tmp_path):
+    from qexp.cache import Cache
+    from qexp.config import TrackingConfig
+    from qexp.tracking.store import Tracker
+
+    Tracker(TrackingConfig(uri=f"sqlite:///{tmp_path / 'new.db'}", experiment="private")).connect()
+    assert oct((tmp_path / "new.db").stat().st_mode & 0o777) == "0o600"
+    Cache(tmp_path / "cache").get_or_build("kind", "key", lambda tmp: None)
+    assert oct((tmp_path / "cache").stat().st_mode & 0o777) == "0o700"

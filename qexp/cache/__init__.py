@@ -142,6 +142,7 @@ class Cache:
 
     @contextlib.contextmanager
     def lock(self, kind: str, key: str) -> Iterator[None]:
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # owner only: entries hold user models and data
         lock_dir = self.root / kind
         lock_dir.mkdir(parents=True, exist_ok=True)
         with open(lock_dir / f".{key}.lock", "w") as handle:

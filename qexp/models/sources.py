@@ -148,6 +148,12 @@ def _from_meta_checkpoint(cfg: ModelConfig) -> LoadedModel:
     try:
         state = torch.load(checkpoint, weights_only=True, map_location="cpu", mmap=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad file
+        if "Weights only load failed" in str(exc):
+            raise InputError(
+                f"checkpoint {checkpoint} holds pickled Python objects, not only tensors: qexp does not unpickle "
+                "them (a pickle can run arbitrary code)",
+                "re-save it as a plain state dict: torch.save(model.state_dict(), path)",
+            ) from exc
         raise InputError(
             f"cannot load checkpoint {checkpoint}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}",
             "the file is corrupt or not a PyTorch state dict (it is loaded with weights_only=True)",

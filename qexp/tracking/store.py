@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from qexp.config import TrackingConfig
 from qexp.errors import TrackingError
 from qexp.provenance import REPO_ROOT
+from qexp.tracking.redact import redact, redact_text
 
 log = logging.getLogger("qexp")
 
@@ -27,13 +28,27 @@ def embedded_store_uri(root: Path = REPO_ROOT) -> str:
     return f"sqlite:///{root / 'mlruns.db'}"
 
 
+def config_yaml(cfg: DictConfig) -> str:
+    """The resolved config as the run's config.yaml artifact, secrets masked."""
+    return OmegaConf.to_yaml(redact(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
+
+
+def _private_sqlite(uri: str) -> None:
+    """Create a new sqlite store file readable by its owner only (MLflow would create it world-readable)."""
+    if uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///"):])
+        if not path.exists() and path.parent.is_dir():
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+
+
 def resolve_uri(cfg: TrackingConfig) -> str:
     return cfg.uri or os.environ.get("MLFLOW_TRACKING_URI") or embedded_store_uri()
 
 
 def flatten(cfg: DictConfig | dict, prefix: str = "") -> Dict[str, str]:
-    """Resolved config -> {"quant.scheme": "16a4w", ...} (lists as their YAML-ish repr)."""
+    """Resolved config -> {"quant.scheme": "16a4w", ...} (lists as their YAML-ish repr), secrets masked."""
     container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(cfg) else cfg
+    container = redact(container)
     out: Dict[str, str] = {}
     for key, value in container.items():
         name = f"{prefix}{key}"
@@ -74,8 +89,11 @@ class Tracker:
     def connect(self) -> str:
         """Point MLflow at the store, check it answers, return the experiment id."""
         mlflow.set_tracking_uri(self.uri)
+        if redact_text(self.uri) != self.uri:  # MLflow prints "View run at <uri>" on stdout, credentials included
+            os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         if self.uri.startswith(("http://", "https://")):
             self._check_server()
+        _private_sqlite(self.uri)
         try:
             experiment = mlflow.get_experiment_by_name(self.cfg.experiment)
             if experiment is not None:
@@ -83,11 +101,13 @@ class Tracker:
             else:
                 artifact_location = None
                 if self.uri == embedded_store_uri():
+                    (REPO_ROOT / "mlartifacts").mkdir(mode=0o700, exist_ok=True)
                     artifact_location = (REPO_ROOT / "mlartifacts").as_uri()
                 experiment_id = mlflow.create_experiment(self.cfg.experiment, artifact_location=artifact_location)
         except Exception as exc:  # noqa: BLE001 - any store failure is the user's store, reported in one line
             raise TrackingError(
-                f"MLflow store {self.uri} is not usable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
+                f"MLflow store {redact_text(self.uri)} is not usable: {type(exc).__name__}: "
+                f"{redact_text(str(exc).splitlines()[0][:200])}",
                 "check tracking.uri / MLFLOW_TRACKING_URI",
             ) from exc
         watch_experiment(self.uri, experiment_id)
@@ -101,7 +121,7 @@ class Tracker:
             response.raise_for_status()
         except Exception as exc:  # noqa: BLE001
             raise TrackingError(
-                f"MLflow tracking server {self.uri} is unreachable ({type(exc).__name__})",
+                f"MLflow tracking server {redact_text(self.uri)} is unreachable ({type(exc).__name__})",
                 "start it (mlflow server --host 127.0.0.1 --port 5000) or unset tracking.uri / "
                 "MLFLOW_TRACKING_URI to use the embedded store",
             ) from exc
@@ -124,7 +144,7 @@ class Tracker:
 
         experiment_id = self.connect()
         self.run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags={**tags, **owner_tags()})
-        log.info("MLflow run %s in %s (experiment %s)", self.run.info.run_id, self.uri, self.cfg.experiment)
+        log.info("MLflow run %s in %s (experiment %s)", self.run.info.run_id, redact_text(self.uri), self.cfg.experiment)
         return self.run.info.run_id
 
     def finish(self) -> None:
@@ -136,24 +156,24 @@ class Tracker:
         """End the active run FAILED, with the error as a tag and the full traceback as an artifact."""
         if self.run is None:
             return
-        message = f"{type(exc).__name__}: {exc}"
+        message = redact_text(f"{type(exc).__name__}: {exc}")
         try:
             mlflow.set_tag("error", message[:5000])
-            mlflow.log_text("".join(traceback.format_exception(exc)), "error.txt")
+            mlflow.log_text(redact_text("".join(traceback.format_exception(exc))), "error.txt")
         finally:
             mlflow.end_run("FAILED")
             self.run = None
 
-    # ---- logging (thin, so stages do not import mlflow)
+    # ---- logging (thin, so stages do not import mlflow; every string goes through redact_text)
     @staticmethod
     def params(values: Dict[str, Any]) -> None:
-        items = list(values.items())
+        items = [(k, redact_text(str(v))) for k, v in values.items()]
         for start in range(0, len(items), 100):  # MLflow's batch limit
             mlflow.log_params(dict(items[start : start + 100]))
 
     @staticmethod
     def tags(values: Dict[str, Any]) -> None:
-        mlflow.set_tags({k: str(v) for k, v in values.items()})
+        mlflow.set_tags({k: redact_text(str(v)) for k, v in values.items()})
 
     @staticmethod
     def metrics(values: Dict[str, float]) -> None:
@@ -161,7 +181,7 @@ class Tracker:
 
     @staticmethod
     def text(content: str, path: str) -> None:
-        mlflow.log_text(content, path)
+        mlflow.log_text(redact_text(content), path)
 
     @staticmethod
     def file(local_path: str | Path, artifact_dir: Optional[str] = None) -> None:

@@ -24,6 +24,8 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from qexp.tracking.redact import redact, redact_text
+
 log = logging.getLogger("qexp")
 
 SWEEP_FILE = "qexp_sweep.json"
@@ -56,15 +58,16 @@ class SweepJob:
     started: float = field(default_factory=time.time)
 
     def tags(self) -> Dict[str, str]:
-        tags = {SWEEP_TAG: self.name, "qexp.sweep_job": str(self.num), "qexp.sweep_overrides": " ".join(self.overrides)}
+        tags = {SWEEP_TAG: self.name, "qexp.sweep_job": str(self.num),
+                "qexp.sweep_overrides": redact_text(" ".join(self.overrides))}
         if self.parent_run_id:
             tags[PARENT_TAG] = self.parent_run_id
         return tags
 
     def record(self, status: str, run_id: Optional[str] = None, config_hash: Optional[str] = None,
                error: Optional[str] = None) -> None:
-        record = JobRecord(status, run_id, config_hash, " ".join(self.overrides), error,
-                           round(time.time() - self.started, 1))
+        record = JobRecord(status, run_id, config_hash, redact_text(" ".join(self.overrides)),
+                           redact_text(error) if error else None, round(time.time() - self.started, 1))
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / JOB_FILE).write_text(json.dumps(asdict(record), indent=1))
 
@@ -148,21 +151,24 @@ class SweepCallback(Callback):
         tracker = Tracker(config.tracking)
         experiment_id = tracker.connect()  # also the unreachable-server check, before any job starts
         client = MlflowClient(tracker.uri)
-        command = "python -m qexp " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        sweep_params = _sweeper_params(config)
+        command = redact_text("python -m qexp " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+        sweep_params = redact(_sweeper_params(config))
         run = client.create_run(experiment_id, run_name=f"sweep:{name}", tags={
             ROLE_TAG: "sweep", SWEEP_TAG: name, "sweep_dir": str(sweep_dir), "command": command,
             "launcher": str(config.hydra.launcher.get("_target_", "")), **owner_tags(),
         })
-        overrides = list(config.hydra.overrides.task)
+        overrides = [redact_text(o) for o in config.hydra.overrides.task]
         client.log_param(run.info.run_id, "sweep.overrides", " ".join(overrides)[:6000])
         client.log_param(run.info.run_id, "sweep.params", json.dumps(sweep_params)[:6000])
         client.log_text(run.info.run_id, OmegaConf.to_yaml({
             "command": command, "overrides": overrides, "sweeper_params": sweep_params,
-            "launcher": OmegaConf.to_container(config.hydra.launcher, resolve=False),
+            "launcher": redact(OmegaConf.to_container(config.hydra.launcher, resolve=False)),
         }), "sweep.yaml")
         os.environ[SWEEP_FILE_ENV] = str(sweep_dir / SWEEP_FILE)  # inherited by joblib / submitit job processes
-        (sweep_dir / SWEEP_FILE).write_text(json.dumps({
+        # Holds the tracking URI unmasked (the jobs and the end callback connect with it): owner-readable only.
+        sweep_file = sweep_dir / SWEEP_FILE
+        os.close(os.open(sweep_file, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600))
+        sweep_file.write_text(json.dumps({
             "name": name, "parent_run_id": run.info.run_id, "tracking_uri": tracker.uri,
             "experiment_id": experiment_id, "command": command,
         }, indent=1))
@@ -175,6 +181,8 @@ class SweepCallback(Callback):
 
         sweep_dir = Path(config.hydra.sweep.dir).resolve()
         os.environ.pop(SWEEP_FILE_ENV, None)
+        if (sweep_dir / "multirun.yaml").is_file():  # Hydra writes the command line's values as given
+            (sweep_dir / "multirun.yaml").write_text(redact_text((sweep_dir / "multirun.yaml").read_text()))
         info = json.loads((sweep_dir / SWEEP_FILE).read_text())
         jobs = read_job_records(sweep_dir)
         counts = {status: int((jobs["status"] == status).sum()) for status in ("finished", "failed", "skipped")}
