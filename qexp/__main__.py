@@ -45,6 +45,9 @@ def main(cfg: DictConfig) -> float | None:
             first_line = redact_text(str(exc).splitlines()[0]) if str(exc) else ""
             message = (f"qexp: failed: {type(exc).__name__}: {first_line} (traceback: error.txt of the MLflow run, "
                        "or rerun with QEXP_TRACEBACK=1)")
+            if "database is locked" in str(exc):  # measured: the sqlite store loses writers beyond ~32 at once
+                message += ("; the embedded sqlite store has too many parallel writers: lower "
+                            "hydra.launcher.n_jobs or log to a tracking server (mlflow server)")
         if job is not None:
             # In a sweep a failed job must not stop the others: record it and return; the sweep's summary
             # reports it and sets the exit code.

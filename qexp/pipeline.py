@@ -20,7 +20,7 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from qexp.backends import Backend, QdqPhase, get_backend
-from qexp.cache import Cache
+from qexp.cache import Cache, stable_hash
 from qexp.config import NO_QUANT, QDQ_ONLY_SCHEMES
 from qexp.errors import ConfigError
 from qexp.provenance import config_hash, environment_tags, pin_cpu_numerics
@@ -126,13 +126,23 @@ def run_experiment(cfg: DictConfig, job: Optional["SweepJob"] = None) -> Experim
     run in the experiment (unless tracking.force) and record what became of the job for the sweep's summary."""
     tracker = Tracker(cfg.tracking)
     chash = config_hash(cfg)
-    if job is not None and not cfg.tracking.force:
-        previous = tracker.finished_run(chash)
-        if previous is not None:
-            log.info("config hash %s already has FINISHED run %s: skipped", chash, previous.info.run_id)
-            job.record("skipped", previous.info.run_id, chash)
-            return ExperimentResult(previous.info.run_id, dict(previous.data.metrics), {"config_hash": chash},
-                                    skipped=True)
+    if job is None:
+        return _tracked_run(cfg, tracker, chash, job)
+    # Two sweeps started together may both hold this config: the first takes it, the second waits and then finds
+    # its FINISHED run (a machine-wide lock per store, experiment and config; another host may still duplicate it).
+    lock_key = stable_hash([tracker.uri, cfg.tracking.experiment, chash], length=24)
+    with Cache(cfg.cache_dir).lock("run_claims", lock_key):
+        if not cfg.tracking.force:
+            previous = tracker.finished_run(chash)
+            if previous is not None:
+                log.info("config hash %s already has FINISHED run %s: skipped", chash, previous.info.run_id)
+                job.record("skipped", previous.info.run_id, chash)
+                return ExperimentResult(previous.info.run_id, dict(previous.data.metrics), {"config_hash": chash},
+                                        skipped=True)
+        return _tracked_run(cfg, tracker, chash, job)
+
+
+def _tracked_run(cfg: DictConfig, tracker: Tracker, chash: str, job: Optional["SweepJob"]) -> ExperimentResult:
     with captured_log() as run_log:
         tags = {"config_hash": chash, **environment_tags(), **(job.tags() if job else {})}
         run_id = tracker.start(cfg.tracking.run_name or _default_run_name(cfg), tags)

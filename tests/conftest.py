@@ -7,6 +7,9 @@ store, never the user's.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import List
 
@@ -18,7 +21,7 @@ import pytest
 matplotlib.use("Agg")
 import matplotlib.pyplot  # noqa: E402, F401
 
-from helpers import CONF, TINY  # noqa: E402
+from helpers import CONF, TINY, free_port  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -67,3 +70,31 @@ def corpus(compose, cache_dir):
     from qexp.data.text import load_corpus
 
     return load_corpus(compose(TINY).text, Cache(cache_dir))
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real `mlflow server` on loopback, its sqlite store and artifact root in the test's tmp_path."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--default-artifact-root", str(tmp_path / "art"),
+         "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    import requests
+
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            if requests.get(uri + "/health", timeout=1).ok:
+                break
+        except requests.RequestException:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("mlflow server did not start")
+    yield uri
+    proc.terminate()
+    proc.wait(timeout=20)

@@ -103,3 +103,52 @@ def test_dead_runs_are_reconciled_the_next_time_qexp_touches_the_experiment(stor
               (dead.info.run_id, elsewhere.info.run_id, alive.info.run_id)}
     assert list(status.values()) == ["KILLED", "RUNNING", "RUNNING"]
     assert "is gone" in client.get_run(dead.info.run_id).data.tags["qexp.killed_reason"]
+
+
+def _concurrent_sweeps(store_uri, cache_dir, tmp_path, experiment):
+    """8 jobs through joblib (4 workers) and, started at the same moment, a second sweep (basic launcher) that
+    shares two of their configs. Returns both processes' outputs."""
+    env = {**os.environ, "QEXP_CACHE_DIR": str(cache_dir), "MLFLOW_TRACKING_URI": store_uri}
+    common = [sys.executable, "-m", "qexp", "-m", *TINY, f"tracking.experiment={experiment}"]
+    wide = common + ["quant=fp32,16a8w,8a8w,16a4w", "eval.limit=2,3", "hydra/launcher=joblib",
+                     "hydra.launcher.n_jobs=4", f"hydra.sweep.dir={tmp_path / 'wide'}"]
+    narrow = common + ["quant=16a8w,8a8w", "eval.limit=2", f"hydra.sweep.dir={tmp_path / 'narrow'}"]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd in (wide, narrow)]
+    return [p.communicate(timeout=1200) + (p.returncode,) for p in procs]
+
+
+def _check_concurrent(store_uri, cache_dir, experiment, outs):
+    from qexp.cache.usage import entries
+
+    for stdout, stderr, code in outs:
+        assert code == 0, stderr[-3000:]
+        assert "database is locked" not in stderr
+    wide, narrow = outs
+    assert "8 finished" in wide[0] or "skipped" in wide[0]
+    client = MlflowClient(store_uri)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id], max_results=100)
+    jobs = [r for r in runs if r.data.tags.get("qexp.role") != "sweep"]
+    parents = [r for r in runs if r.data.tags.get("qexp.role") == "sweep"]
+    assert len(parents) == 2 and all(r.info.status == "FINISHED" for r in parents)
+    hashes = [r.data.tags["config_hash"] for r in jobs]
+    assert len(jobs) == 8 and len(set(hashes)) == 8, "a config ran twice"  # the narrow sweep's two were skipped
+    assert all(r.info.status == "FINISHED" for r in jobs)
+    skipped = sum(int(p.data.metrics["jobs_skipped"]) for p in parents)
+    assert skipped == 2
+    for entry in entries(cache_dir):  # every cache entry built exactly once, however many jobs read it
+        builds = [line for line in (entry.path / ".uses.jsonl").read_text().splitlines() if '"build"' in line]
+        assert len(builds) == 1, (entry.kind, entry.key, len(builds))
+
+
+def test_two_sweeps_at_once_on_the_embedded_store(tmp_path, tmp_path_factory):
+    store_uri = f"sqlite:///{tmp_path / 'concurrent.db'}"
+    cache_dir = tmp_path_factory.mktemp("concurrent-cache")
+    outs = _concurrent_sweeps(store_uri, cache_dir, tmp_path, "concurrent_sqlite")
+    _check_concurrent(store_uri, cache_dir, "concurrent_sqlite", outs)
+
+
+def test_two_sweeps_at_once_on_a_tracking_server(mlflow_server, tmp_path, tmp_path_factory):
+    cache_dir = tmp_path_factory.mktemp("concurrent-server-cache")
+    outs = _concurrent_sweeps(mlflow_server, cache_dir, tmp_path, "concurrent_server")
+    _check_concurrent(mlflow_server, cache_dir, "concurrent_server", outs)

@@ -4,7 +4,7 @@ run ends FAILED with its error; an unreachable server is one clear error before 
 from __future__ import annotations
 
 import os
-import socket
+
 import subprocess
 import sys
 import time
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from helpers import TINY
+from helpers import TINY, free_port
 from qexp.errors import TrackingError
 from qexp.pipeline import run_experiment
 
@@ -91,39 +91,6 @@ def test_failed_run_is_marked_failed(compose, store_uri, tmp_path):
     assert "checkpoint not found" in mlflow.artifacts.load_text(f"runs:/{runs[0].info.run_id}/error.txt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def mlflow_server(tmp_path):
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--default-artifact-root", str(tmp_path / "art"),
-         "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    import requests
-
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        try:
-            if requests.get(uri + "/health", timeout=1).ok:
-                break
-        except requests.RequestException:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("mlflow server did not start")
-    yield uri
-    proc.terminate()
-    proc.wait(timeout=20)
-
-
 def test_experiment_in_real_server(compose, mlflow_server):
     cfg = compose(TINY + ["quant=8a8w", f"tracking.uri={mlflow_server}"])
     result = run_experiment(cfg)
@@ -139,7 +106,7 @@ def test_env_var_selects_the_store(compose, mlflow_server, monkeypatch):
 
 
 def test_unreachable_server_fails_fast(compose):
-    cfg = compose(TINY + [f"tracking.uri=http://127.0.0.1:{_free_port()}"])
+    cfg = compose(TINY + [f"tracking.uri=http://127.0.0.1:{free_port()}"])
     start = time.time()
     with pytest.raises(TrackingError, match="unreachable"):
         run_experiment(cfg)

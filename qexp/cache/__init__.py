@@ -29,7 +29,7 @@ log = logging.getLogger("qexp")
 
 COMPLETE = ".complete"  # the entry's metadata; its presence marks the entry complete
 MANIFEST = ".manifest.json"  # {relative path: {"size": bytes, "xxh3": hex}} of every file of the entry
-USES = ".uses.jsonl"  # one line per read or build: {"time": epoch s, "run_id": ...}
+USES = ".uses.jsonl"  # one line per build or read: {"time": epoch s, "event": "build" | "hit", "run_id": ...}
 BOOKKEEPING = (COMPLETE, MANIFEST, USES)
 QUARANTINE = ".quarantine"
 
@@ -118,9 +118,9 @@ class Cache:
     def has(self, kind: str, key: str) -> bool:
         return (self.path(kind, key) / COMPLETE).exists()
 
-    def _record_use(self, entry: Path) -> None:
+    def _record_use(self, entry: Path, event: str = "hit") -> None:
         with open(entry / USES, "a") as f:
-            f.write(json.dumps({"time": round(time.time(), 1), "run_id": self.run_id}) + "\n")
+            f.write(json.dumps({"time": round(time.time(), 1), "event": event, "run_id": self.run_id}) + "\n")
 
     def _quarantine(self, kind: str, key: str, problem: str) -> Path:
         target = self.root / QUARANTINE / f"{kind}-{key}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -164,7 +164,7 @@ class Cache:
                 meta = build(tmp) or {}
                 _write_json(tmp / MANIFEST, manifest_of(tmp))
                 (tmp / COMPLETE).write_text(json.dumps(meta, default=str))
-                self._record_use(tmp)
+                self._record_use(tmp, "build")
                 if final.exists():  # an incomplete leftover of a killed build
                     shutil.rmtree(final)
                 os.rename(tmp, final)

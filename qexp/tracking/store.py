@@ -7,11 +7,13 @@ starts. A run that raises ends FAILED with the error as an artifact (error.txt) 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import traceback
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import mlflow
 from omegaconf import DictConfig, OmegaConf
@@ -33,12 +35,26 @@ def config_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(redact(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
 
 
-def _private_sqlite(uri: str) -> None:
-    """Create a new sqlite store file readable by its owner only (MLflow would create it world-readable)."""
-    if uri.startswith("sqlite:///"):
-        path = Path(uri[len("sqlite:///"):])
-        if not path.exists() and path.parent.is_dir():
-            os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+@contextlib.contextmanager
+def _sqlite_initialised_once(uri: str) -> Iterator[None]:
+    """Around the first access to a sqlite store: create its file readable by its owner only (MLflow would make it
+    world-readable), and hold a file lock, because MLflow creates and migrates the schema on first access and two
+    processes doing so at once fail with "duplicate column name" (measured: two sweeps started together)."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    path = Path(uri[len("sqlite:///"):])
+    if not path.parent.is_dir():
+        yield
+        return
+    with open(path.with_name(path.name + ".qexp-init.lock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            if not path.exists():
+                os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def resolve_uri(cfg: TrackingConfig) -> str:
@@ -93,17 +109,9 @@ class Tracker:
             os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         if self.uri.startswith(("http://", "https://")):
             self._check_server()
-        _private_sqlite(self.uri)
         try:
-            experiment = mlflow.get_experiment_by_name(self.cfg.experiment)
-            if experiment is not None:
-                experiment_id = experiment.experiment_id
-            else:
-                artifact_location = None
-                if self.uri == embedded_store_uri():
-                    (REPO_ROOT / "mlartifacts").mkdir(mode=0o700, exist_ok=True)
-                    artifact_location = (REPO_ROOT / "mlartifacts").as_uri()
-                experiment_id = mlflow.create_experiment(self.cfg.experiment, artifact_location=artifact_location)
+            with _sqlite_initialised_once(self.uri):
+                experiment_id = self._experiment_id()
         except Exception as exc:  # noqa: BLE001 - any store failure is the user's store, reported in one line
             raise TrackingError(
                 f"MLflow store {redact_text(self.uri)} is not usable: {type(exc).__name__}: "
@@ -112,6 +120,23 @@ class Tracker:
             ) from exc
         watch_experiment(self.uri, experiment_id)
         return experiment_id
+
+    def _experiment_id(self) -> str:
+        experiment = mlflow.get_experiment_by_name(self.cfg.experiment)
+        if experiment is not None:
+            return experiment.experiment_id
+        artifact_location = None
+        if self.uri == embedded_store_uri():
+            (REPO_ROOT / "mlartifacts").mkdir(mode=0o700, exist_ok=True)
+            artifact_location = (REPO_ROOT / "mlartifacts").as_uri()
+        try:
+            return mlflow.create_experiment(self.cfg.experiment, artifact_location=artifact_location)
+        except mlflow.exceptions.MlflowException as exc:  # created by a process that started at the same moment
+            experiment = mlflow.get_experiment_by_name(self.cfg.experiment)
+            if experiment is None:
+                raise
+            log.debug("experiment %s was created concurrently (%s)", self.cfg.experiment, exc)
+            return experiment.experiment_id
 
     def _check_server(self) -> None:
         import requests
