@@ -22,6 +22,10 @@ class TrackingError(QexpError):
     pass
 
 
+class CacheFullError(QexpError):
+    """The cache's disk (or the process's file size limit) ran out while an entry was written."""
+
+
 def require_file(path: str | None, what: str, fix: str) -> str:
     import os
 

@@ -14,6 +14,7 @@ appends to the entry's `.uses.jsonl` (time, run id), which `python -m qexp.cache
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -168,8 +169,15 @@ class Cache:
                 if final.exists():  # an incomplete leftover of a killed build
                     shutil.rmtree(final)
                 os.rename(tmp, final)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
+            except BaseException as exc:
+                shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+                if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                    from qexp.errors import CacheFullError
+
+                    raise CacheFullError(
+                        f"no room to write the {kind} cache entry under {self.root} ({exc.strerror})",
+                        "free disk space, `python -m qexp.cache prune --max-gb N`, or point QEXP_CACHE_DIR elsewhere",
+                    ) from exc
                 raise
         return final, False
 
