@@ -128,3 +128,37 @@ def test_unknown_backend_and_algorithm_list_the_known_ones(compose):
         get_backend("tpu")
     with pytest.raises(ConfigError, match="unknown algorithm 'quip'.*awq, gptq, rotation, seq_mse, smoothquant"):
         validate(compose(["+algorithm.quip={w_bit: 4}"]))
+
+
+# Everything a config can get wrong that validate() knows without the model, with what the message must name.
+# validate() loads no model, so each of these is refused in milliseconds, before any heavy work.
+BAD_CONFIGS = [
+    (["eval.limit=0"], "eval.limit=0"),
+    (["calibration.limit=0"], "calibration data is empty"),
+    (["eval.seq_len=512", "export.max_context_len=256"], "exceeds the static graph context"),
+    (["calibration.seq_len=512", "export.max_context_len=256"], "calibration.seq_len=512"),
+    (["cache.max_gb=0"], "cache.max_gb=0"),
+    (["observer=moving_average", "observer.averaging_constant=0"], "averaging_constant"),
+    (["observer=percentile", "observer.percentile=10"], "use a value in (50, 100]"),
+    (["quant=16a4w_block", "quant.block_size=0"], "use a positive block size"),
+    (["quant=16a4w", "quant.weight_granularity=per_block"], "needs a block scheme"),
+    (["quant=16a3w", "backend=htp"], "QDQ-only research scheme"),
+    (["quant=fp32", "backend=htp"], "needs a quantized scheme"),
+    (["quant=16a4w_block", "quant.block_size=64", "backend=htp"], "block_size=64"),
+    (["backend=htp", "backend.max_seq_len=128"], "differs from export.max_context_len"),
+    (["backend=htp", "backend.prefill_ar_len=0"], "use 1 <= prefill_ar_len < max_seq_len"),
+    (["backend=htp", "backend.prefill_ar_len=256"], "use 1 <= prefill_ar_len < max_seq_len"),
+    (["backend=htp", "backend.model_mode=lookahead", "backend.ngram=1"], "lookahead needs ngram >= 2"),
+    (["backend=htp", "backend.model_mode=lookahead", "backend.window=64"], "not less than max_seq_len"),
+    (["backend=htp", "backend.bench.prompt_len=254"], "does not fit the decode graph's cache"),
+    (["algorithm=[smoothquant]", "quant=16a4w"], "smoothquant"),
+    (["algorithm=[gptq]", "quant=fp32"], "gptq"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_CONFIGS, ids=[" ".join(o) for o, _ in BAD_CONFIGS])
+def test_every_bad_config_is_refused_before_work_in_one_line(compose, overrides, message):
+    with pytest.raises(ConfigError) as error:
+        validate(compose(overrides))
+    text = str(error.value)
+    assert message in text and "\n" not in text, text
