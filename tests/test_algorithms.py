@@ -197,7 +197,7 @@ def test_seq_mse_scales_reach_the_program_and_the_deploy_graphs(compose):
     assert any(r < 0.999 for r in ratios.values())  # some layer's scale was shrunk
     assert all(r <= 1.0 + 1e-6 for r in ratios.values())
     # a kv graph (another AR length) quantized from the saved statistics gets the same searched scales
-    stats = torch.load(searched.qdq.program.program_path.parent / OBSERVERS, weights_only=True)
+    stats = torch.load(searched.qdq.program.stats_path, weights_only=True)
     cfg = searched.cfg
     converted, _ = quantized_graph(searched.deploy_model, 64, 1, searched.static.r3, cfg.quant, cfg.observer, stats,
                                    cfg.model.recompose_hadamard, "SM8650")

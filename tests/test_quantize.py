@@ -122,8 +122,8 @@ def test_converted_program_is_cached(setup, compose, tmp_path):
     cfg = compose(TINY + ["quant=8a8w"])
     first = quantize(static, cfg.quant, cfg.observer, calibration, Cache(tmp_path), key="same", soc="SM8650")
     second = quantize(static, cfg.quant, cfg.observer, calibration, Cache(tmp_path), key="same", soc="SM8650")
-    assert not first.cache_hit and second.cache_hit and first.program_path.exists()
-    observers = torch.load(first.program_path.parent / "observers.pt", weights_only=True)
+    assert not first.cache_hit and second.cache_hit and first.stats_path.exists()
+    observers = torch.load(first.stats_path, weights_only=True)
     assert sum("min_val" in o["state"] for o in observers.values()) > 50
     ids = windows.ids[0]
     assert torch.equal(window_logits(first.module, static, ids), window_logits(second.module, static, ids))

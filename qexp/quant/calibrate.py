@@ -1,8 +1,10 @@
 """Quantize + calibrate stage: QnnQuantizer -> prepare_pt2e -> calibrate -> convert_pt2e, cached.
 
-The converted (QDQ) program is cached with the calibrated observer statistics, keyed by everything that determines
-it (qexp/provenance.py), so other graphs of the same model (the HTP backend's kv / prefill graphs) can be quantized
-with exactly these encodings without calibrating again.
+What is cached is the calibration's result and nothing else: every observer's statistics (a few MB), keyed by
+everything that determines them (qexp/provenance.py). The QDQ program is rebuilt from them on every run, cold or
+warm, by the same steps (export, prepare, load the statistics, convert), as the HTP backend builds its kv / prefill
+graphs from them. Caching the converted program instead cost 808 MB per SmolLM2 entry and ~56 s to save and reload,
+more than the ~20 s the rebuild takes.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from qexp.timing import StageTimer
 
 log = logging.getLogger("qexp")
 
-QDQ_PROGRAM = "qdq.pt2"
-OBSERVERS = "observers.pt"  # calibrated observer statistics, to quantize other graphs of the same model
+OBSERVERS = "observers.pt"  # calibrated observer statistics: the cache entry; every graph of the model is built from it
 # Non-strict export: 4x faster than strict (dynamo) tracing here, same graph. Graphs that later take these
 # encodings (kv / prefill) must be exported the same way.
 EXPORT_STRICT = False
@@ -34,7 +35,7 @@ EXPORT_STRICT = False
 @dataclass
 class QuantizedModel:
     module: torch.fx.GraphModule  # the QDQ program (fake-quantized ops, runs on CPU)
-    program_path: Path  # the cached ExportedProgram (.pt2)
+    stats_path: Path  # the cached observer statistics it was built from
     key: str
     cache_hit: bool
 
@@ -47,18 +48,13 @@ def quantize(
     """Export the static llama, prepare it with the recipe's QnnQuantizer for `soc`, calibrate (running the
     calibration-time `algorithms`, e.g. SeqMSE, after the first sample, as upstream), hand over exact weight ranges
     (`static.weight_ranges`), convert (cached)."""
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
     timer = timer or StageTimer()
 
     def build(tmp: Path) -> dict:
-        quantizer = make_quantizer(quant, observer, soc, recompose_hadamard)
-        example = static.example_inputs()
         with torch.no_grad():
-            with timer.stage("export"):
-                graph = torch.export.export(static.module, example, strict=EXPORT_STRICT).module()
-            with timer.stage("prepare"):
-                prepared = prepare_pt2e(graph, quantizer)
+            prepared = prepare(static, quant, observer, soc, recompose_hadamard, timer)
             with timer.stage("calibrate"):
                 for i, sample in enumerate(tqdm(calibration.samples, desc="calibrate", unit="sample", leave=False)):
                     prepared(*static.inputs(sample))
@@ -68,22 +64,31 @@ def quantize(
                                 algorithm.calibrate(prepared, static, calibration)
             set_weight_ranges(prepared, static.weight_ranges)
             torch.save(observer_statistics(prepared), tmp / OBSERVERS)
-            with timer.stage("convert"):
-                converted = convert_pt2e(prepared)
-            with timer.stage("save_qdq"):
-                torch.export.save(torch.export.export(converted, example, strict=False), str(tmp / QDQ_PROGRAM))
         return {"samples": len(calibration.samples), "tokens": calibration.n_tokens}
 
     path, hit = cache.get_or_build("qdq", key, build)
-    log.info("QDQ program %s (%s)", path, "cache hit" if hit else "built")
-    # Always evaluate the program as loaded from the cache, also right after building it: on SmolLM2 16a4w the
-    # in-memory program (converted or re-exported) gives ppl 47.29 and its reload 47.25 (measured twice), and a
-    # config must give the same numbers cold and warm.
-    import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401 - registers the ops a saved QDQ program uses
+    log.info("QDQ observer statistics %s (%s)", path, "cache hit" if hit else "calibrated")
+    # The program is always rebuilt from the statistics as stored, right after calibrating too: one path, so a config
+    # gives the same numbers cold and warm.
+    stats = torch.load(path / OBSERVERS, weights_only=True)
+    with torch.no_grad():
+        prepared = prepare(static, quant, observer, soc, recompose_hadamard, timer)
+        load_observer_statistics(prepared, stats)
+        with timer.stage("convert"):
+            module = convert_pt2e(prepared)
+    return QuantizedModel(module, path / OBSERVERS, key, hit)
 
-    with timer.stage("load_qdq"):
-        module = torch.export.load(str(path / QDQ_PROGRAM)).module()
-    return QuantizedModel(module, path / QDQ_PROGRAM, key, hit)
+
+def prepare(static: StaticLlama, quant: QuantConfig, observer: ObserverConfig, soc: str, recompose_hadamard: bool,
+            timer: StageTimer) -> torch.fx.GraphModule:
+    """The static llama exported and prepared with the recipe's QnnQuantizer for `soc` (observers not yet fed)."""
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+
+    quantizer = make_quantizer(quant, observer, soc, recompose_hadamard)
+    with timer.stage("export"):
+        graph = torch.export.export(static.module, static.example_inputs(), strict=EXPORT_STRICT).module()
+    with timer.stage("prepare"):
+        return prepare_pt2e(graph, quantizer)
 
 
 def weight_observers(prepared: torch.fx.GraphModule) -> Dict[str, torch.nn.Module]:

@@ -161,7 +161,7 @@ def compile_pte(
     }, length=24)
 
     def build(tmp: Path) -> dict:
-        stats = torch.load(qdq.program_path.parent / OBSERVERS, weights_only=True)
+        stats = torch.load(qdq.stats_path, weights_only=True)
         graphs = {name: _deploy_graph(model, cfg, name, ar_len, r3, stats, timer) for name, ar_len in ar_lens.items()}
         first = next(iter(graphs.values()))
         constant_methods = {k: v for k, v in first["meta"].items() if k != "get_ar_len"}
