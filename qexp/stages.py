@@ -153,8 +153,10 @@ def qdq(state) -> None:
     state.qdq = QdqPhase(program, result, static)
     metrics = state.metrics
     metrics.update({**phase_metrics(result, "qdq"), **compare(result, state.fp, "qdq", "fp")})
-    log.info("QDQ: ppl %.3f (%+.2f%% vs FP)  word_ppl %.3f  logits SQNR %.1f dB", metrics["ppl_qdq"],
-             100 * metrics["ppl_qdq_vs_fp"], metrics["word_ppl_qdq"], metrics["logits_sqnr_db_qdq_vs_fp"])
+    log.info("QDQ: ppl %.3f (%+.2f%% vs FP, 95%% interval [%+.2f, %+.2f])  word_ppl %.3f  logits SQNR %.1f dB",
+             metrics["ppl_qdq"], 100 * metrics["ppl_qdq_vs_fp"], 100 * metrics.get("ppl_qdq_vs_fp_ci_low", float("nan")),
+             100 * metrics.get("ppl_qdq_vs_fp_ci_high", float("nan")), metrics["word_ppl_qdq"],
+             metrics["logits_sqnr_db_qdq_vs_fp"])
     state.per_window["ll_qdq"] = result.logprobs.sum(axis=1)
     table = encodings_table(program.module)
     metrics["weights_mb"] = weights_megabytes(static.module, table)
@@ -201,9 +203,11 @@ def _score_deployed(state, deployed) -> None:
         metrics.update(compare(deployed, qdq_sub, "deployed", "qdq"))
     metrics.update({"deployed_eval_tokens": subset.n_predicted, "deployed_eval_windows": subset.n_windows})
     reference = "qdq" if state.qdq is not None else "fp"
-    log.info("%s (%s): ppl %.3f vs %s %.3f on the same %d tokens (%+.2f%%), top-1 agreement %.3f",
-             state.cfg.backend.name.upper(), state.tags.get("target", "?"), metrics["ppl_deployed"], reference.upper(),
-             metrics[f"ppl_{reference}_sub"], subset.n_predicted, 100 * metrics[f"ppl_deployed_vs_{reference}"],
+    delta = f"ppl_deployed_vs_{reference}"
+    log.info("%s (%s): ppl %.3f vs %s %.3f on the same %d tokens (%+.2f%%, 95%% interval [%+.2f, %+.2f]), top-1 "
+             "agreement %.3f", state.cfg.backend.name.upper(), state.tags.get("target", "?"), metrics["ppl_deployed"],
+             reference.upper(), metrics[f"ppl_{reference}_sub"], subset.n_predicted, 100 * metrics[delta],
+             100 * metrics.get(f"{delta}_ci_low", float("nan")), 100 * metrics.get(f"{delta}_ci_high", float("nan")),
              metrics[f"top1_agreement_deployed_vs_{reference}"])
 
 

@@ -1,5 +1,5 @@
-"""Comparisons between phases, in one place: Δ perplexity, top-1 agreement and logits SQNR of a test phase against
-a reference phase on the same windows. Every phase's metrics are named `<metric>_<phase>` and every comparison
+"""Comparisons between phases, in one place: Δ perplexity (with its 95% interval), top-1 agreement and logits SQNR
+of a test phase against a reference phase on the same windows. Every phase's metrics are named `<metric>_<phase>` and every comparison
 `<measure>_<test>_vs_<reference>` (e.g. `ppl_qdq_vs_fp`, `top1_agreement_deployed_vs_qdq`)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from qexp.eval.perplexity import EvalResult
+from qexp.eval.uncertainty import ppl_ratio_interval
 
 
 def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
@@ -41,6 +42,9 @@ def compare(test: EvalResult, reference: EvalResult, test_name: str, reference_n
         f"ppl_{suffix}": test.metrics()["ppl"] / reference.metrics()["ppl"] - 1.0,
         f"top1_agreement_{suffix}": top1_agreement(test, reference),
     }
+    # its 95% interval (paired bootstrap: qexp/eval/uncertainty.py): ppl_<suffix>_ci_low / _ci_high / _ci_units
+    interval = ppl_ratio_interval(test.logprobs, reference.logprobs)
+    out.update({f"ppl_{suffix}_{name}": value for name, value in interval.items()})
     pairs = list(zip(reference.logits, test.logits))
     if pairs:
         out[f"logits_sqnr_db_{suffix}"] = float(np.mean([sqnr_db(a, b) for a, b in pairs]))

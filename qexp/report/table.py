@@ -75,6 +75,9 @@ def _derived(runs: pd.DataFrame) -> pd.DataFrame:
     # a run's own quantization against FP: its QDQ phase where it has one, else its deployed program
     qdq = num("metrics.ppl_qdq_vs_fp")
     runs["delta_vs_fp"] = qdq.where(qdq.notna(), num("metrics.ppl_deployed_vs_fp"))
+    for bound in ("ci_low", "ci_high"):  # the interval of whichever Δ that is (runs before intervals have none)
+        runs[f"delta_vs_fp_{bound}"] = num(f"metrics.ppl_qdq_vs_fp_{bound}").where(
+            qdq.notna(), num(f"metrics.ppl_deployed_vs_fp_{bound}"))
     return runs
 
 
@@ -119,6 +122,12 @@ def _data(runs: pd.DataFrame, chosen: Dict[str, tuple[str, str]]) -> pd.DataFram
         if converted.notna().sum() == data[name].notna().sum() and data[name].notna().any():
             data[name] = converted
     data = data.dropna(axis=1, how="all")
+    for name in [n for n in data if chosen[n][1].startswith("Δ")]:  # each Δ's 95% interval, where runs logged one
+        source = chosen[name][0]
+        for bound in ("ci_low", "ci_high"):
+            values = pd.to_numeric(column(runs, f"{source}_{bound}"), errors="coerce")
+            if values.notna().any():
+                data[f"{name}_{bound}"] = values.values
     data["run_id"] = runs["run_id"].values
     data["config_hash"] = column(runs, "tags.config_hash").values
     data["weights_mb"] = pd.to_numeric(column(runs, "metrics.weights_mb"), errors="coerce").values
@@ -191,21 +200,39 @@ def build_report(runs: pd.DataFrame, columns: Optional[Sequence[str]] = None, al
         chosen = {**MIXED_COLUMNS, **chosen}
     data = _data(runs, chosen)
     table = data[[c for c in data.columns if c in chosen]].rename(columns={k: v[1] for k, v in chosen.items()})
+    # intervals ride along for formatted(): {column header: (low, high)}
+    table.attrs["ci"] = {chosen[n][1]: (data[f"{n}_ci_low"], data[f"{n}_ci_high"]) for n in chosen
+                         if f"{n}_ci_low" in data}
     notes: List[str] = []
     if mixed:
         notes.append(f"Mixed evaluation settings (--allow-mixed): {mixed}. Compare rows only within a group.")
     notes += _notes(runs, chosen)
+    if table.attrs["ci"]:
+        notes.append("[low, high]: 95% interval of a Δ, paired bootstrap over the evaluation windows (32-token blocks "
+                     "where a phase scored fewer than 8 windows; qexp/eval/uncertainty.py). `~`: the interval spans "
+                     "zero, the difference is within the noise.")
     pivot_table = _pivot(data, pivot) if pivot else None
     return Report(table=table, data=data, notes=notes, pivot=pivot_table)
+
+
+def _delta_cell(value: float, low: float, high: float) -> str:
+    """`+89.7% [+84.1, +95.6]`; `~` marks an interval that spans zero."""
+    if pd.isna(value):
+        return "-"
+    if pd.isna(low) or pd.isna(high):
+        return f"{value:+.1%}"
+    return f"{value:+.1%} [{100 * low:+.1f}, {100 * high:+.1f}]" + (" ~" if low <= 0 <= high else "")
 
 
 def formatted(table: pd.DataFrame) -> pd.DataFrame:
     """Display strings: perplexities to 2 decimals, relative differences in %, '-' where not measured."""
     out = table.copy().astype(object)
+    intervals = table.attrs.get("ci", {})
     for name in out:
         values = pd.to_numeric(table[name], errors="coerce")
         if name.startswith("Δ"):
-            out[name] = [f"{v:+.1%}" if pd.notna(v) else "-" for v in values]
+            low, high = intervals.get(name, ([np.nan] * len(values), [np.nan] * len(values)))
+            out[name] = [_delta_cell(v, lo, hi) for v, lo, hi in zip(values, low, high)]
         elif values.notna().any() and table[name].dtype != object:
             out[name] = [f"{v:.4g}" if abs(v) >= 100 else f"{v:.2f}" if pd.notna(v) else "-" for v in values]
         else:

@@ -1,0 +1,71 @@
+"""95% intervals of perplexity ratios (paired bootstrap, qexp/eval/uncertainty.py): their definition, their coverage
+on data with a known answer, and their place in runs and reports."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from helpers import TINY
+from qexp.eval.uncertainty import BLOCK, ppl_ratio_interval, windows_needed
+from qexp.report.table import formatted
+
+
+def _pair(rng, windows=8, tokens=255, shift=-0.02, noise=0.3):
+    """Reference log-likelihoods with window-level difficulty, and a test phase worse by `shift` nats on average."""
+    reference = rng.normal(-3.0, 1.0, size=(windows, tokens)) + rng.normal(0, 0.5, size=(windows, 1))
+    test = reference + shift + rng.normal(0, noise, size=reference.shape)
+    return test, reference
+
+
+def test_identical_phases_give_a_zero_interval():
+    test, reference = _pair(np.random.default_rng(0))
+    interval = ppl_ratio_interval(reference, reference)
+    assert interval["ci_low"] == interval["ci_high"] == 0.0 and interval["ci_units"] == 8
+
+
+def test_the_interval_holds_the_estimate_and_is_seeded():
+    test, reference = _pair(np.random.default_rng(1))
+    point = np.exp((reference.sum() - test.sum()) / reference.size) - 1
+    interval = ppl_ratio_interval(test, reference)
+    assert interval["ci_low"] < point < interval["ci_high"] and interval["ci_low"] > 0  # 2% worse, clearly
+    assert ppl_ratio_interval(test, reference) == interval
+
+
+def test_coverage_on_data_with_a_known_answer():
+    """Windows drawn from one distribution: the true ratio is exp(-shift) - 1. About 95% of intervals must hold it
+    (a paired bootstrap over 8 windows under-covers a little; it must not be far off)."""
+    rng = np.random.default_rng(2)
+    shift, hits, trials = -0.01, 0, 200
+    truth = np.exp(-shift) - 1
+    for _ in range(trials):
+        test, reference = _pair(rng, windows=16, tokens=64, shift=shift, noise=0.3)
+        interval = ppl_ratio_interval(test, reference)
+        hits += interval["ci_low"] <= truth <= interval["ci_high"]
+    assert 0.85 <= hits / trials <= 0.99, hits / trials
+
+
+def test_one_window_is_resampled_in_token_blocks():
+    test, reference = _pair(np.random.default_rng(3), windows=1, tokens=255)
+    interval = ppl_ratio_interval(test, reference)
+    assert interval["ci_units"] == 255 // BLOCK and interval["ci_low"] < interval["ci_high"]
+
+
+def test_windows_needed_shrinks_with_the_difference_to_resolve():
+    test, reference = _pair(np.random.default_rng(4), windows=8)
+    assert windows_needed(test, reference, 0.001) > windows_needed(test, reference, 0.01) >= 1
+
+
+def test_report_cells_show_the_interval_and_mark_noise():
+    table = pd.DataFrame({"Δ vs FP": [0.897, 0.004, np.nan]})
+    table.attrs["ci"] = {"Δ vs FP": (pd.Series([0.841, -0.003, np.nan]), pd.Series([0.956, 0.011, np.nan]))}
+    assert list(formatted(table)["Δ vs FP"]) == ["+89.7% [+84.1, +95.6]", "+0.4% [-0.3, +1.1] ~", "-"]
+
+
+def test_a_run_logs_the_interval_of_each_comparison(compose):
+    from qexp.pipeline import run_experiment
+
+    metrics = run_experiment(compose(TINY + ["quant=16a4w"])).metrics
+    low, high = metrics["ppl_qdq_vs_fp_ci_low"], metrics["ppl_qdq_vs_fp_ci_high"]
+    assert low <= metrics["ppl_qdq_vs_fp"] <= high
+    assert metrics["ppl_qdq_vs_fp_ci_units"] == 3  # 3 windows of 63 tokens: too short for blocks, so windows
