@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
 import sys
 
@@ -19,6 +20,9 @@ from qexp.tracking.redact import mask_log_records
 # The tracking watchdog then ends the run KILLED (qexp/tracking/watchdog.py).
 _TERMINAL_STDERR = os.fdopen(os.dup(2), "w")
 faulthandler.enable(file=_TERMINAL_STDERR, all_threads=False)
+# torch warns twice on import that two enums torchao registers with its pytree are natively supported now: a
+# deprecation notice for torchao's maintainers, not for the user's terminal.
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 mask_log_records()  # before Hydra logs anything: its launcher prints each job's overrides, passwords included
 
 

@@ -112,8 +112,8 @@ def validate(cfg: DictConfig) -> Backend:
         if value > context:
             raise ConfigError(f"{key}={value} exceeds the static graph context export.max_context_len={context}",
                               f"lower {key} or raise export.max_context_len")
-    if cfg.eval.limit < 1:
-        raise ConfigError(f"eval.limit={cfg.eval.limit}", "evaluate at least one window")
+    if cfg.eval.limit != "all" and not (isinstance(cfg.eval.limit, int) and cfg.eval.limit >= 1):
+        raise ConfigError(f"eval.limit={cfg.eval.limit}", "evaluate at least one window, or eval.limit=all")
     if cfg.cache.max_gb is not None and cfg.cache.max_gb <= 0:
         raise ConfigError(f"cache.max_gb={cfg.cache.max_gb}", "use a positive size in GiB, or null for no bound")
     backend.validate(cfg)
