@@ -53,7 +53,13 @@ def test_one_window_is_resampled_in_token_blocks():
 
 def test_windows_needed_shrinks_with_the_difference_to_resolve():
     test, reference = _pair(np.random.default_rng(4), windows=8)
-    assert windows_needed(test, reference, 0.001) > windows_needed(test, reference, 0.01) >= 1
+    sums = test.sum(axis=1), reference.sum(axis=1)
+    assert windows_needed(*sums, 255, 0.001) > windows_needed(*sums, 255, 0.01) >= 1
+    # the rule: 4x the windows halve the interval
+    wide = _pair(np.random.default_rng(5), windows=32)
+    n8 = windows_needed(*sums, 255, 0.005)
+    n32 = windows_needed(wide[0].sum(axis=1), wide[1].sum(axis=1), 255, 0.005)
+    assert 0.5 < n8 / n32 < 2  # the same population: the same answer from 8 or 32 windows, within sampling noise
 
 
 def test_report_cells_show_the_interval_and_mark_noise():
@@ -69,3 +75,28 @@ def test_a_run_logs_the_interval_of_each_comparison(compose):
     low, high = metrics["ppl_qdq_vs_fp_ci_low"], metrics["ppl_qdq_vs_fp_ci_high"]
     assert low <= metrics["ppl_qdq_vs_fp"] <= high
     assert metrics["ppl_qdq_vs_fp_ci_units"] == 3  # 3 windows of 63 tokens: too short for blocks, so windows
+
+
+def test_report_pairs_runs_on_the_same_windows(compose, store_uri, tmp_path, capsys):
+    """`--paired-vs algorithm=RTN`: the rotated run against the round-to-nearest run of the same scheme, with an
+    interval; `--windows-needed 1` from each run's per-window log-likelihoods."""
+    import mlflow
+
+    from qexp.pipeline import run_experiment
+    from qexp.report import main as report
+
+    for algorithm in ("[]", "[rotation]"):
+        cfg = compose(TINY + ["quant=16a4w", f"algorithm={algorithm}"])
+        cfg.tracking.experiment = "paired"
+        run_experiment(cfg)
+    mlflow.set_tracking_uri(store_uri)
+    code = report(["--experiment", "paired", "--columns", "scheme,algorithm,ppl_qdq,delta_vs_fp", "--paired-vs",
+                   "algorithm=RTN", "--windows-needed", "1", "--out-dir", str(tmp_path), "--tracking-uri", store_uri])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    data = pd.read_csv(tmp_path / "paired.csv")
+    rotated = data[data["algorithm"] == "rotation"].iloc[0]
+    assert rotated["Δ vs RTN ci_low"] <= rotated["Δ vs RTN"] <= rotated["Δ vs RTN ci_high"]
+    assert data.loc[data["algorithm"] == "RTN", "Δ vs RTN"].isna().all()  # the baseline is not paired with itself
+    assert (data["windows for ±1%"] >= 1).all()
+    assert "Δ vs RTN" in out and "[" in out

@@ -35,7 +35,11 @@ def resampling_units(test_lp: np.ndarray, reference_lp: np.ndarray) -> Tuple[np.
 
 def ppl_ratio_interval(test_lp: np.ndarray, reference_lp: np.ndarray) -> Dict[str, float]:
     """{ci_low, ci_high, ci_units} of ppl(test) / ppl(reference) - 1 (both [windows, tokens] log-likelihoods)."""
-    test_units, reference_units, per_unit = resampling_units(test_lp, reference_lp)
+    return unit_interval(*resampling_units(test_lp, reference_lp))
+
+
+def unit_interval(test_units: np.ndarray, reference_units: np.ndarray, per_unit: int) -> Dict[str, float]:
+    """The interval from per-unit log-likelihood sums (each unit holds `per_unit` tokens)."""
     n = len(test_units)
     if n < 2:
         return {"ci_units": float(n)}
@@ -46,12 +50,12 @@ def ppl_ratio_interval(test_lp: np.ndarray, reference_lp: np.ndarray) -> Dict[st
     return {"ci_low": float(low), "ci_high": float(high), "ci_units": float(n)}
 
 
-def windows_needed(test_lp: np.ndarray, reference_lp: np.ndarray, resolve: float) -> int:
-    """How many windows like these make the 95% interval's half-width of the ppl ratio no wider than `resolve`
-    (e.g. 0.01 for 1%): the half-width shrinks as 1/sqrt(windows)."""
-    interval = ppl_ratio_interval(test_lp, reference_lp)
+def windows_needed(test_window_ll: np.ndarray, reference_window_ll: np.ndarray, tokens_per_window: int,
+                   resolve: float) -> int:
+    """How many windows like these make the 95% interval of the ppl ratio no wider than +-`resolve` (e.g. 0.01 for
+    1%), from per-window log-likelihood sums: the half-width shrinks as 1/sqrt(windows). -1 if under 2 windows."""
+    interval = unit_interval(np.asarray(test_window_ll), np.asarray(reference_window_ll), tokens_per_window)
     if "ci_low" not in interval:
         return -1
     half_width = (interval["ci_high"] - interval["ci_low"]) / 2
-    units_per_window = interval["ci_units"] / test_lp.shape[0]
-    return int(np.ceil(interval["ci_units"] * (half_width / resolve) ** 2 / units_per_window))
+    return max(1, int(np.ceil(interval["ci_units"] * (half_width / resolve) ** 2)))

@@ -23,7 +23,8 @@ from qexp.report.base import Report
 from qexp.report.plots import PLOTS, plot
 from qexp.report.query import load_runs
 from qexp.tracking.sweep import ROLE_TAG, SWEEP_TAG
-from qexp.report.table import COLUMNS, EXTRA_COLUMNS, build_report, formatted
+from qexp.report.base import ReportError
+from qexp.report.table import COLUMNS, EXTRA_COLUMNS, _derived, build_report, formatted
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
 
@@ -75,6 +76,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--layout", choices=("runs", "devices"), default="runs",
                         help="runs: one row per run (default); devices: one row per configuration and device, "
                         "as the seeds' tables (QDQ on the CPU, HTP on the emulator, ...)")
+    parser.add_argument("--paired-vs", metavar="COLUMN=VALUE",
+                        help="add a column: each run's QDQ perplexity against the run with COLUMN=VALUE and the same "
+                        "configuration otherwise, on the same windows, with its 95%% interval (e.g. algorithm=RTN)")
+    parser.add_argument("--windows-needed", type=float, metavar="PCT",
+                        help="add a column: how many evaluation windows would resolve each run's Δ vs FP to within "
+                        "+-PCT percent at 95%% (from the run's per-window log-likelihoods)")
     parser.add_argument("--allow-mixed", action="store_true", help="tabulate runs with different text/windows")
     parser.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI or the embedded store")
     args = parser.parse_args(argv)
@@ -85,13 +92,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               args.pivot.split(",") if args.pivot else None)
         if args.layout == "devices":
             from qexp.report.devices import device_table
-            from qexp.report.table import _derived
 
             report.table = device_table(_derived(runs))
             report.notes.append("One row per configuration and device. PPL (all windows): every evaluation window; "
                                 "PPL (deployed subset): the tokens the deployed phase scored, with QDQ on the same "
                                 "tokens in its CPU row. Δ vs FP on the row's own tokens. A 3-bit scheme is QDQ-only "
                                 "(deployable = false): HTP has no 3-bit weights.")
+        if (args.windows_needed or args.paired_vs) and args.layout == "devices":
+            raise ReportError("--windows-needed and --paired-vs go with the runs layout", "drop --layout devices")
+        if args.paired_vs:
+            from qexp.report.paired import add_paired
+
+            add_paired(report, _derived(runs), args.paired_vs)
+        if args.windows_needed:
+            from qexp.report.paired import add_windows_needed
+
+            add_windows_needed(report, runs, args.windows_needed / 100)
         left_out = runs.attrs.get("left_out") or {}
         if left_out:
             report.notes.append("Left out (never finished): " + ", ".join(

@@ -41,6 +41,7 @@ EXTRA_COLUMNS: Dict[str, tuple[str, str]] = {
     "decoder": ("tags.decoder", "decoder"),
     "prefill_tok_s": ("metrics.prefill_tok_s", "prefill tok/s"),
     "run_id": ("run_id", "run"),
+    "algorithm": ("algorithm", "algorithm"),
 }
 # Metrics the CSV keeps even when not shown: the subset figures the notes point to.
 CSV_METRICS = ("ppl_fp_sub", "ppl_qdq_sub", "ppl_deployed_vs_qdq", "top1_agreement_deployed_vs_qdq",
@@ -68,6 +69,7 @@ def _derived(runs: pd.DataFrame) -> pd.DataFrame:
         + column(runs, "params.calibration.seq_len").astype(str),
     )
     runs["params.observer.name"] = np.where(fp32, "-", column(runs, "params.observer.name"))
+    runs["algorithm"] = column(runs, "tags.algorithm").fillna("RTN").replace("", "RTN")
     runs["kv_mode"] = column(runs, "params.backend.kv_update").fillna("-")  # logged only by backends that have one
     target = column(runs, "tags.target")
     runs["target"] = target.where(target.notna(), "pytorch")

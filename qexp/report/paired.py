@@ -1,0 +1,87 @@
+"""Report options that read each run's per-window log-likelihoods (eval/per_window.csv): a Δ between two runs with
+its 95% interval (`--paired-vs algorithm=RTN`), and how many windows would resolve a Δ (`--windows-needed 1`).
+Both use the paired bootstrap of qexp/eval/uncertainty.py over the evaluation windows the runs share."""
+
+from __future__ import annotations
+
+import io
+from typing import Dict, Optional
+
+import numpy as np
+import pandas as pd
+
+from qexp.eval.uncertainty import unit_interval, windows_needed
+from qexp.report.base import Report, ReportError, column
+
+# What must be equal for two runs to be paired: everything that defines the configuration except the compared
+# column, and the very same evaluation windows.
+IDENTITY = ("params.model.name", "tags.scheme", "tags.weight_grid", "tags.lm_head_grid", "params.observer.name",
+            "calibration", "params.calibration.sampling", "params.backend.name", "target", "tags.eval_windows_sha256")
+
+
+def _per_window(run_id: str) -> Optional[pd.DataFrame]:
+    import mlflow
+
+    try:
+        return pd.read_csv(io.StringIO(mlflow.artifacts.load_text(f"runs:/{run_id}/eval/per_window.csv")))
+    except Exception:  # noqa: BLE001 - a run without the artifact (older, or FP only) gets no figure
+        return None
+
+
+def _tokens(runs: pd.DataFrame) -> Dict[str, float]:
+    window_len = pd.to_numeric(column(runs, "params.eval.window_len"), errors="coerce")
+    return dict(zip(runs["run_id"], window_len - 1))  # position 0 of a window predicts nothing
+
+
+def add_windows_needed(report: Report, runs: pd.DataFrame, resolve: float) -> None:
+    header = f"windows for ±{100 * resolve:g}%"
+    tokens, needed = _tokens(runs), {}
+    for run_id in runs["run_id"]:
+        frame = _per_window(run_id)
+        if frame is None or not {"ll_qdq", "ll_fp"} <= set(frame) or pd.isna(tokens[run_id]):
+            continue
+        needed[run_id] = windows_needed(frame["ll_qdq"].to_numpy(), frame["ll_fp"].to_numpy(), int(tokens[run_id]),
+                                        resolve)
+    values = [needed.get(r, -1) for r in report.data["run_id"]]
+    report.data[header] = values
+    report.table[header] = [v if v >= 0 else "-" for v in values]
+    report.notes.append(f"{header}: evaluation windows (of this length, from this text) that would make the 95% "
+                        "interval of Δ vs FP (QDQ) no wider than that, estimated from the run's own per-window "
+                        "log-likelihoods: the interval shrinks as 1/sqrt(windows). eval.limit=all evaluates every "
+                        "window of the text.")
+
+
+def add_paired(report: Report, runs: pd.DataFrame, spec: str) -> None:
+    """`spec` = COLUMN=VALUE: each row's QDQ perplexity against the row with COLUMN == VALUE and the same identity
+    (model, scheme, weight grid, observer, calibration, backend, windows), on the same windows, with its interval."""
+    name, _, value = spec.partition("=")
+    if name not in runs or not value:
+        raise ReportError(f"--paired-vs {spec}", "pass COLUMN=VALUE, e.g. algorithm=RTN")
+    identity = [c for c in IDENTITY if c in runs]
+    key = lambda row: tuple(str(row.get(c)) for c in identity)  # noqa: E731
+    baselines = {key(row): row["run_id"] for _, row in runs.iterrows() if str(row[name]) == value}
+    if not baselines:
+        raise ReportError(f"--paired-vs {spec}: no run has {name} = {value}", f"values: {sorted(set(runs[name]))}")
+    frames: Dict[str, Optional[pd.DataFrame]] = {}
+    header, rows = f"Δ vs {value}", {}
+    for _, row in runs.iterrows():
+        base = baselines.get(key(row))
+        if base is None or base == row["run_id"]:
+            continue
+        test, reference = (frames.setdefault(r, _per_window(r)) for r in (row["run_id"], base))
+        if test is None or reference is None or "ll_qdq" not in test or "ll_qdq" not in reference:
+            continue
+        t, r = test["ll_qdq"].to_numpy(), reference["ll_qdq"].to_numpy()
+        n_tokens = float(column(runs, "params.eval.window_len")[row.name]) - 1
+        delta = float(np.expm1((r.sum() - t.sum()) / (len(t) * n_tokens)))
+        rows[row["run_id"]] = (delta, unit_interval(t, r, int(n_tokens)))
+    ids = report.data["run_id"]
+    report.data[header] = [rows[i][0] if i in rows else np.nan for i in ids]
+    report.data[f"{header} ci_low"] = [rows[i][1].get("ci_low", np.nan) if i in rows else np.nan for i in ids]
+    report.data[f"{header} ci_high"] = [rows[i][1].get("ci_high", np.nan) if i in rows else np.nan for i in ids]
+    report.table[header] = report.data[header].values
+    report.table.attrs.setdefault("ci", {})[header] = (report.data[f"{header} ci_low"],
+                                                        report.data[f"{header} ci_high"])
+    report.notes.append(f"{header}: PPL QDQ of the row / PPL QDQ of the run with {name} = {value} and the same model, "
+                        "scheme, weight grid, observer, calibration, backend and evaluation windows, - 1, with the 95% "
+                        "interval of a paired bootstrap over those windows.")
