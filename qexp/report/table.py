@@ -63,10 +63,12 @@ def _derived(runs: pd.DataFrame) -> pd.DataFrame:
     num = lambda name: pd.to_numeric(column(runs, name), errors="coerce")  # noqa: E731
     # QNN observers / calibration mean nothing for runs without a QNN scheme (fp32; XNNPACK quantizes by its qmode)
     fp32 = (column(runs, "params.quant.scheme").fillna("fp32") == "fp32").to_numpy()
+    sampling = column(runs, "params.calibration.sampling").fillna("contiguous").astype(str)
     runs["calibration"] = np.where(
         fp32, "-", column(runs, "params.calibration.name").astype(str) + " "
         + column(runs, "params.calibration.limit").astype(str) + "x"
-        + column(runs, "params.calibration.seq_len").astype(str),
+        + column(runs, "params.calibration.seq_len").astype(str)
+        + np.where(sampling.str.endswith("spread"), " spread", ""),
     )
     runs["params.observer.name"] = np.where(fp32, "-", column(runs, "params.observer.name"))
     runs["algorithm"] = column(runs, "tags.algorithm").fillna("RTN").replace("", "RTN")
