@@ -13,6 +13,7 @@ from helpers import TINY
 from qexp.cache import MANIFEST, USES, Cache
 from qexp.cache.__main__ import main as cache_cli
 from qexp.cache.usage import entries, prune
+from qexp.errors import CacheFullError
 
 
 def _builder(calls):
@@ -67,7 +68,7 @@ def test_a_failed_build_leaves_nothing_that_looks_valid(tmp_path):
         (tmp / "half.bin").write_bytes(b"x" * 100)
         raise OSError(28, "No space left on device")
 
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(CacheFullError, match="no room to write the kind cache entry"):
         cache.get_or_build("kind", "key", full_disk)
     assert not cache.has("kind", "key") and not [p for p in (tmp_path / "kind").iterdir() if p.is_dir()]
 

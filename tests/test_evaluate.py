@@ -79,7 +79,8 @@ def test_comparison_with_itself(tiny_model, corpus):
     first = evaluate(fn, windows, "a", keep_logits=1)
     second = evaluate(fn, windows, "b", keep_logits=1)
     assert compare(second, first, "b", "a") == {"ppl_b_vs_a": 0.0, "top1_agreement_b_vs_a": 1.0,
-                                                "logits_sqnr_db_b_vs_a": float("inf")}
+                                                "logits_sqnr_db_b_vs_a": float("inf"), "ppl_b_vs_a_ci_low": 0.0,
+                                                "ppl_b_vs_a_ci_high": 0.0, "ppl_b_vs_a_ci_units": 2.0}
 
 
 def test_comparison_refuses_different_windows(tiny_model, corpus):
