@@ -93,12 +93,17 @@ class RunState:
 def validate(cfg: DictConfig) -> Backend:
     """Reject a bad config before any model is loaded; returns the run's backend."""
     from qexp.models.static_llama import arch_flags
-    from qexp.quant.recipe import validate_recipe
+    from qexp.models.shapes import linear_shapes
+    from qexp.quant.recipe import check_block_sizes, uses_blocks, validate_recipe
     from qexp.transforms import validate_transforms
 
     backend = get_backend(cfg.backend.name)
     arch_flags(cfg.model.arch)
     validate_recipe(cfg.quant, cfg.observer)
+    if uses_blocks(cfg.quant):  # from the model's metadata; the load stage checks the loaded weights again
+        shapes = linear_shapes(cfg.model)
+        if shapes:
+            check_block_sizes(cfg.quant, shapes)
     if cfg.quant.scheme in QDQ_ONLY_SCHEMES and backend.deploys:
         raise ConfigError(f"quant={cfg.quant.scheme} is a QDQ-only research scheme: backend={cfg.backend.name} has no "
                           "3-bit weights (HTP runs 4, 8 and 16-bit weights)", "use backend=none, or a 4-bit scheme")

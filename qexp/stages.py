@@ -31,7 +31,7 @@ def load(state) -> None:
                 f"eval.seq_len={cfg.eval.seq_len} is larger than the model's context ({model.max_context} tokens)",
                 "lower eval.seq_len",
             )
-        check_block_sizes(cfg.quant, model.state_dict)
+        check_block_sizes(cfg.quant, {k: tuple(v.shape) for k, v in model.state_dict.items()})
         state.model = model
         state.fp_static = StaticLlama(model, cfg.export.max_context_len, r3=cfg.model.r3)
     state.tags.update({"model_sha256": model.fingerprint, "model_source": model.source_path,

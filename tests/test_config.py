@@ -141,6 +141,9 @@ BAD_CONFIGS = [
     (["observer=moving_average", "observer.averaging_constant=0"], "averaging_constant"),
     (["observer=percentile", "observer.percentile=10"], "use a value in (50, 100]"),
     (["quant=16a4w_block", "quant.block_size=0"], "use a positive block size"),
+    # block sizes against the layers' shapes, read from the model's metadata (the GGUF header, the tiny spec)
+    (["quant=16a4w_block", "quant.block_size=128"], "does not divide the 576 input channels"),
+    (["model=tiny", "quant=16a4w_block", "quant.block_size=48"], "does not divide the 64 input channels"),
     (["quant=16a4w", "quant.weight_granularity=per_block"], "needs a block scheme"),
     (["quant=16a3w", "backend=htp"], "QDQ-only research scheme"),
     (["quant=fp32", "backend=htp"], "needs a quantized scheme"),

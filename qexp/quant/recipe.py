@@ -176,19 +176,26 @@ def validate_recipe(quant: QuantConfig, observer: ObserverConfig) -> None:
     build_recipe(quant, observer)
 
 
-def check_block_sizes(quant: QuantConfig, state_dict: dict) -> None:
-    """Every per-block weight's input channels must split into whole blocks (checked once the model's shapes are
-    known, before any calibration): one line naming the layer and the sizes that would fit."""
+def uses_blocks(quant: QuantConfig) -> bool:
+    """Whether any weight of the recipe is quantized per block (the main scheme or an override)."""
+    return quant.scheme != NO_QUANT and (quant.weight_granularity == Granularity.per_block or any(
+        o.granularity == Granularity.per_block for o in quant.overrides))
+
+
+def check_block_sizes(quant: QuantConfig, shapes: dict) -> None:
+    """Every per-block weight's input channels must split into whole blocks: one line naming the layer and the sizes
+    that would fit. `shapes`: Meta weight name -> shape, from the model's metadata before any work
+    (qexp/models/shapes.py) and again from the loaded weights."""
     from qexp.transforms.grid import grid_for, static_module_path
 
     if quant.scheme == NO_QUANT:
         return
-    for key, weight in state_dict.items():
-        if weight.dim() != 2 or not (key.startswith("layers.") or key == "output.weight"):
+    for key, shape in shapes.items():
+        if len(shape) != 2 or not (key.startswith("layers.") or key == "output.weight"):
             continue
         grid = grid_for(quant, key)
-        if grid is not None and grid.block_size and weight.shape[1] % grid.block_size:
-            cols = weight.shape[1]
+        if grid is not None and grid.block_size and shape[1] % grid.block_size:
+            cols = shape[1]
             fits = [b for b in (16, 32, 48, 64, 96, 128, 192, 256) if cols % b == 0]
             raise ConfigError(f"block_size={grid.block_size} does not divide the {cols} input channels of "
                               f"{static_module_path(key)}", f"use a block size that divides it, e.g. {fits}")

@@ -1,0 +1,74 @@
+"""The linear layers' weight shapes of a configured model, read from its metadata (config.json, the GGUF header,
+params.json, the tiny spec) without loading any weight, so shape-dependent settings (block sizes) are checked before
+any work. None when the metadata does not say enough; the check after loading catches those."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Optional, Tuple
+
+from qexp.config import ModelConfig, ModelSource
+
+Shapes = Dict[str, Tuple[int, int]]  # Meta-layout weight name -> (out, in)
+
+
+def _dims(cfg: ModelConfig) -> Optional[dict]:
+    if cfg.source == ModelSource.tiny:
+        spec = cfg.tiny
+        return {"n_layers": spec.n_layers, "dim": spec.dim, "hidden_dim": spec.hidden_dim, "n_heads": spec.n_heads,
+                "n_kv_heads": spec.n_kv_heads, "vocab_size": spec.vocab_size}
+    if cfg.source == ModelSource.hf and cfg.path:
+        path = os.path.join(os.path.expanduser(cfg.path), "config.json")
+        if not os.path.isfile(path):
+            return None
+        c = json.loads(open(path).read())
+        c = c.get("text_config", c)
+        return {"n_layers": c.get("num_hidden_layers"), "dim": c.get("hidden_size"),
+                "hidden_dim": c.get("intermediate_size"), "n_heads": c.get("num_attention_heads"),
+                "n_kv_heads": c.get("num_key_value_heads", c.get("num_attention_heads")),
+                "head_dim": c.get("head_dim"), "vocab_size": c.get("vocab_size")}
+    if cfg.source == ModelSource.gguf:
+        from qexp.models.sources import shipped_smollm2_gguf
+
+        path = os.path.expanduser(cfg.path) if cfg.path else shipped_smollm2_gguf()
+        if not os.path.isfile(path):
+            return None
+        import gguf
+
+        fields = gguf.GGUFReader(path).fields
+        arch = str(bytes(fields["general.architecture"].parts[-1]), "utf-8")
+
+        def value(key):
+            field = fields.get(f"{arch}.{key}")
+            return int(field.parts[field.data[0]][0]) if field is not None and field.data else None
+
+        return {"n_layers": value("block_count"), "dim": value("embedding_length"),
+                "hidden_dim": value("feed_forward_length"), "n_heads": value("attention.head_count"),
+                "n_kv_heads": value("attention.head_count_kv"), "vocab_size": value("vocab_size")}
+    if cfg.source == ModelSource.meta_checkpoint and cfg.params and os.path.isfile(os.path.expanduser(cfg.params)):
+        p = json.loads(open(os.path.expanduser(cfg.params)).read())
+        return {"n_layers": p.get("n_layers"), "dim": p.get("dim"), "hidden_dim": p.get("hidden_dim"),
+                "n_heads": p.get("n_heads"), "n_kv_heads": p.get("n_kv_heads", p.get("n_heads")),
+                "vocab_size": p.get("vocab_size")}
+    return None
+
+
+def linear_shapes(cfg: ModelConfig) -> Optional[Shapes]:
+    d = _dims(cfg)
+    needed = ("n_layers", "dim", "hidden_dim", "n_heads", "n_kv_heads")
+    if d is None or any(not d.get(k) for k in needed):
+        return None
+    head_dim = d.get("head_dim") or d["dim"] // d["n_heads"]
+    q, kv, dim, hidden = d["n_heads"] * head_dim, d["n_kv_heads"] * head_dim, d["dim"], d["hidden_dim"]
+    shapes: Shapes = {}
+    for i in range(d["n_layers"]):
+        prefix = f"layers.{i}."
+        shapes.update({prefix + "attention.wq.weight": (q, dim), prefix + "attention.wk.weight": (kv, dim),
+                       prefix + "attention.wv.weight": (kv, dim), prefix + "attention.wo.weight": (dim, q),
+                       prefix + "feed_forward.w1.weight": (hidden, dim),
+                       prefix + "feed_forward.w3.weight": (hidden, dim),
+                       prefix + "feed_forward.w2.weight": (dim, hidden)})
+    if d.get("vocab_size"):
+        shapes["output.weight"] = (d["vocab_size"], dim)
+    return shapes
