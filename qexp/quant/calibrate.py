@@ -23,6 +23,7 @@ from qexp.data.calibration import CalibrationSet
 from qexp.models.static_llama import StaticLlama
 from qexp.quant.recipe import make_quantizer
 from qexp.timing import StageTimer
+from qexp.upstream.private import forget_prepared_modules
 
 log = logging.getLogger("qexp")
 
@@ -76,6 +77,7 @@ def quantize(
         load_observer_statistics(prepared, stats)
         with timer.stage("convert"):
             module = convert_pt2e(prepared)
+    forget_prepared_modules()
     return QuantizedModel(module, path / OBSERVERS, key, hit)
 
 
@@ -88,7 +90,9 @@ def prepare(static: StaticLlama, quant: QuantConfig, observer: ObserverConfig, s
     with timer.stage("export"):
         graph = torch.export.export(static.module, static.example_inputs(), strict=EXPORT_STRICT).module()
     with timer.stage("prepare"):
-        return prepare_pt2e(graph, quantizer)
+        prepared = prepare_pt2e(graph, quantizer)
+    forget_prepared_modules()
+    return prepared
 
 
 def weight_observers(prepared: torch.fx.GraphModule) -> Dict[str, torch.nn.Module]:

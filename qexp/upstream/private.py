@@ -22,6 +22,21 @@ def tree_leaves(tree):
 
 
 # ---------------------------------------------------------------- torchao
+def forget_prepared_modules() -> None:
+    """torchao 0.18's `prepare_pt2e` looks up a module's device through `torchao.utils._assert_and_get_unique_device`,
+    a `functools.cache` keyed by the module: every prepared graph, weights included, stayed alive for the life of the
+    process (convert_pt2e calls it too). A sweep's process grew by ~1.5 GB per SmolLM2 job (16 GB after 10 jobs). qexp
+    clears it after each prepare and convert; the cached value is only needed during that call."""
+    import torch.ao.quantization.fx.utils
+    import torchao.utils
+
+    # torch's own copy (torch.ao.quantization.fx.utils.assert_and_get_unique_device) is cached the same way
+    for cached in (getattr(torchao.utils, "_assert_and_get_unique_device", None),
+                   getattr(torch.ao.quantization.fx.utils, "assert_and_get_unique_device", None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+
+
 def _shallow_observer_kwargs(quant_spec):
     """torchao's prepare builds observer kwargs with `deepcopy(asdict(spec))`, copying also the observer constructor
     it then discards. QNN's constructors reach an fx graph, so every call deep-copied the whole graph: 38 of 59 s of

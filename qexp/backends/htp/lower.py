@@ -40,6 +40,7 @@ from qexp.quant.recipe import make_quantizer
 from qexp.timing import StageTimer
 from qexp.upstream.private import (
     executorch_backend_config,
+    forget_prepared_modules,
     lower_4bit_per_channel_as_lpbq,
     quant_io_passes,
     tree_leaves,
@@ -93,6 +94,7 @@ def quantized_graph(
     with torch.no_grad():
         graph = torch.export.export(static.module, example, strict=EXPORT_STRICT).module()
         prepared = prepare_pt2e(graph, make_quantizer(quant, observer, soc, recompose_hadamard))
+    forget_prepared_modules()
     own = observer_statistics(prepared)
     if [(k, v["observes"]) for k, v in own.items()] != [(k, v["observes"]) for k, v in stats.items()]:
         # Seen with R3 + RecomposeHadamard: the rotation is recomposed into HadamardTransform in some AR lengths only.
@@ -105,7 +107,9 @@ def quantized_graph(
     load_observer_statistics(prepared, stats)
     _tie_cache_inputs_to_outputs(prepared, static.n_layers)
     with torch.no_grad():
-        return convert_pt2e(prepared), static
+        converted = convert_pt2e(prepared)
+    forget_prepared_modules()
+    return converted, static
 
 
 def _tie_cache_inputs_to_outputs(prepared: torch.fx.GraphModule, n_layers: int) -> None:
