@@ -4,6 +4,7 @@ Both use the paired bootstrap of qexp/eval/uncertainty.py over the evaluation wi
 
 from __future__ import annotations
 
+import functools
 import io
 from typing import Dict, Optional
 
@@ -19,6 +20,7 @@ IDENTITY = ("params.model.name", "tags.scheme", "tags.weight_grid", "tags.lm_hea
             "calibration", "params.calibration.sampling", "params.backend.name", "target", "tags.eval_windows_sha256")
 
 
+@functools.lru_cache(maxsize=None)  # a run's artifact never changes; both options read the same runs
 def _per_window(run_id: str) -> Optional[pd.DataFrame]:
     import mlflow
 
@@ -62,19 +64,18 @@ def add_paired(report: Report, runs: pd.DataFrame, spec: str) -> None:
     baselines = {key(row): row["run_id"] for _, row in runs.iterrows() if str(row[name]) == value}
     if not baselines:
         raise ReportError(f"--paired-vs {spec}: no run has {name} = {value}", f"values: {sorted(set(runs[name]))}")
-    frames: Dict[str, Optional[pd.DataFrame]] = {}
-    header, rows = f"Δ vs {value}", {}
+    tokens, header, rows = _tokens(runs), f"Δ vs {value}", {}
     for _, row in runs.iterrows():
         base = baselines.get(key(row))
-        if base is None or base == row["run_id"]:
+        if base is None or base == row["run_id"] or pd.isna(tokens[row["run_id"]]):
             continue
-        test, reference = (frames.setdefault(r, _per_window(r)) for r in (row["run_id"], base))
+        test, reference = _per_window(row["run_id"]), _per_window(base)
         if test is None or reference is None or "ll_qdq" not in test or "ll_qdq" not in reference:
             continue
         t, r = test["ll_qdq"].to_numpy(), reference["ll_qdq"].to_numpy()
-        n_tokens = float(column(runs, "params.eval.window_len")[row.name]) - 1
+        n_tokens = int(tokens[row["run_id"]])
         delta = float(np.expm1((r.sum() - t.sum()) / (len(t) * n_tokens)))
-        rows[row["run_id"]] = (delta, unit_interval(t, r, int(n_tokens)))
+        rows[row["run_id"]] = (delta, unit_interval(t, r, n_tokens))
     ids = report.data["run_id"]
     report.data[header] = [rows[i][0] if i in rows else np.nan for i in ids]
     report.data[f"{header} ci_low"] = [rows[i][1].get("ci_low", np.nan) if i in rows else np.nan for i in ids]
