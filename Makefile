@@ -2,7 +2,7 @@
 VENV_PY := .venv/bin/python
 EXPERIMENT ?= 16a4w_wikitext
 
-.PHONY: setup run test test-fast bench ui
+.PHONY: setup run test test-fast bench ui notebook
 
 setup:
 	@bash scripts/setup.sh
@@ -11,6 +11,7 @@ run: setup
 	$(VENV_PY) -m qexp +experiment=$(EXPERIMENT)
 
 test: setup
+	@bash scripts/setup_test_system.sh
 	$(VENV_PY) -m pytest tests
 
 test-fast: setup
@@ -20,4 +21,8 @@ bench: setup
 	$(VENV_PY) benchmarks/bench_default.py
 
 ui: setup
-	.venv/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlruns.db --host 127.0.0.1 --port 5000
+	$(VENV_PY) -m qexp.ui
+
+# Re-execute notebooks/compare.ipynb against the committed results and save it with its outputs.
+notebook: setup
+	$(VENV_PY) scripts/build_notebook.py

@@ -8,4 +8,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The same numbers on every x86-64 host (#18): PyTorch picks its CPU kernels by the host's instruction set (DEFAULT,
+# AVX2, AVX512), and the QDQ program's fake quantization turns their last-bit differences into different rounding:
+# SmolLM2 16a4w, 2 windows, one AMD EPYC host, ppl 45.72 with AVX512 kernels, 46.09 with AVX2, 45.41 with DEFAULT
+# (FP: 1e-8 relative). qexp pins the AVX2 kernels, which every x86-64 host of the last decade has; MKL's own dispatch
+# is pinned the same way (MKL_CBWR; measured no change on this AMD host, meant for Intel hosts with AVX512). Both are
+# read at PyTorch's first operation, so they are set at import; set ATEN_CPU_CAPABILITY yourself (e.g. avx512) for
+# ~25% faster CPU evaluation at the cost of numbers that differ from other hosts'. Runs tag what they used
+# (numerics.cpu_capability) and the report refuses to mix them.
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+os.environ.setdefault("MKL_CBWR", "AVX2")
+
 __version__ = "0.1.0"

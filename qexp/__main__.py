@@ -64,8 +64,11 @@ def main(cfg: DictConfig) -> float | None:
         print(f"qexp: skipped: config hash {result.tags['config_hash']} already has FINISHED run {result.run_id} "
               "(tracking.force=true reruns it)")
         return None
-    summary = "  ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()) if k.startswith(("ppl", "word_ppl")))
-    print(f"qexp: run {result.run_id} finished: {summary}")
+    headline = ("ppl_fp", "ppl_fp_transformed", "ppl_qdq", "ppl_deployed")
+    summary = "  ".join(f"{k}={result.metrics[k]:.4g}" for k in headline if k in result.metrics)
+    print(f"qexp: run {result.run_id} ({result.name}) finished: {summary}\n"
+          f"qexp: {result.description}  [all metrics: `make ui`, or python -m qexp.report --compare "
+          f"{result.run_id[:8]} OTHER_RUN]")
     return result.metrics.get("ppl_qdq", result.metrics.get("ppl_fp"))
 
 

@@ -47,6 +47,14 @@ class CalibrationSampling(enum.Enum):
     spread = "spread"
 
 
+class TextSource(enum.Enum):
+    """The text windows and calibration samples come from (qexp/data/text.py), each split into disjoint halves."""
+
+    wikitext = "wikitext"  # WikiText-2 raw when local, else the English Wikipedia excerpt shipped in gensim
+    news = "news"  # 300 ABC news articles: the Lee corpus shipped in gensim's test data
+    austen = "austen"  # Jane Austen's six novels: the Debian package r-cran-janeaustenr (optional)
+
+
 # Quantization schemes qexp knows, as QnnQuantizer's QuantDtype names without the `use_` prefix.
 SCHEMES = ("8a8w", "16a16w", "16a8w", "16a4w", "16a4w_block", "8a4w", "16a3w", "16a3w_block")
 # Research schemes QnnQuantizer can simulate (QDQ on the CPU) but no QNN backend runs: HTP has no 3-bit weights.
@@ -132,6 +140,9 @@ class CalibrationConfig:
     # wikitext only. contiguous: consecutive samples from the start of the split (on the gensim excerpt, 8x256
     # tokens all come from one article). spread: samples start at evenly spaced paragraphs across the whole split.
     sampling: CalibrationSampling = CalibrationSampling.contiguous
+    # wikitext only: the text whose calibration half is sampled; null = the evaluation text (`text`). Another text
+    # measures calibration-vs-evaluation domain shift (sweeps/domain_shift.yaml).
+    text: Optional[TextSource] = None
     prompts: List[str] = field(default_factory=list)
     chat_path: Optional[str] = None  # JSON file: a list of {"messages": [...]} (or one such object)
     chat_template: Optional[str] = None  # Jinja template for tokenizers that carry none
@@ -140,8 +151,10 @@ class CalibrationConfig:
 @dataclass
 class TextConfig:
     name: str = "wikitext"
-    # Local WikiText-2 raw: a folder that `datasets.load_dataset` or `load_from_disk` reads (parquet files,
-    # a saved DatasetDict). null = look in the `datasets` cache, then fall back to the gensim excerpt.
+    source: TextSource = TextSource.wikitext
+    # Used by source=wikitext (and calibration.text=wikitext). Local WikiText-2 raw: a folder that
+    # `datasets.load_dataset` or `load_from_disk` reads (parquet files, a saved DatasetDict). null = look in the
+    # `datasets` cache, then fall back to the gensim excerpt.
     wikitext_path: Optional[str] = None
     allow_fallback: bool = True
 

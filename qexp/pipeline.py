@@ -26,6 +26,7 @@ from qexp.errors import ConfigError
 from qexp.provenance import config_hash, environment_tags, pin_cpu_numerics
 from qexp.timing import StageTimer, peak_rss_mb
 from qexp.tracking.runlog import captured_log
+from qexp.tracking.naming import run_description, run_name
 from qexp.tracking.store import Tracker, config_yaml, flatten
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ class ExperimentResult:
     metrics: Dict[str, float] = field(default_factory=dict)
     tags: Dict[str, str] = field(default_factory=dict)
     skipped: bool = False  # a sweep job whose config already had a FINISHED run
+    name: str = ""  # the MLflow run's name and description (what the UI shows first)
+    description: str = ""
 
 
 @dataclass
@@ -77,6 +80,10 @@ class RunState:
         if self.tracked:
             Tracker.text(content, path)
 
+    def log_dataset(self, features, name: str, digest: str, source: str, context: str, **tags: Any) -> None:
+        if self.tracked:
+            Tracker.dataset(features, name, digest, source, context, tags)
+
     def log_array(self, array: np.ndarray, artifact_path: str) -> None:
         if self.tracked:
             with tempfile.TemporaryDirectory() as tmp:
@@ -92,6 +99,7 @@ class RunState:
 # ---------------------------------------------------------------- checks before a run starts
 def validate(cfg: DictConfig) -> Backend:
     """Reject a bad config before any model is loaded; returns the run's backend."""
+    from qexp.data.text import check_texts
     from qexp.models.static_llama import arch_flags
     from qexp.models.shapes import linear_shapes
     from qexp.quant.recipe import check_block_sizes, uses_blocks, validate_recipe
@@ -112,6 +120,7 @@ def validate(cfg: DictConfig) -> Backend:
     if needs_calibration and cfg.calibration.limit < 1:
         raise ConfigError(f"calibration.limit={cfg.calibration.limit}: calibration data is empty",
                           "use calibration.limit>=1")
+    check_texts(cfg.text, cfg.calibration, needs_calibration)  # e.g. text=austen without its Debian package
     context = cfg.export.max_context_len
     for key, value in (("eval.seq_len", cfg.eval.seq_len), ("calibration.seq_len", cfg.calibration.seq_len)):
         if value > context:
@@ -150,9 +159,11 @@ def run_experiment(cfg: DictConfig, job: Optional["SweepJob"] = None) -> Experim
 def _tracked_run(cfg: DictConfig, tracker: Tracker, chash: str, job: Optional["SweepJob"]) -> ExperimentResult:
     with captured_log() as run_log:
         tags = {"config_hash": chash, **environment_tags(), **(job.tags() if job else {})}
-        run_id = tracker.start(cfg.tracking.run_name or _default_run_name(cfg), tags)
+        name = cfg.tracking.run_name or _default_run_name(cfg, job)
+        run_id = tracker.start(name, tags)
         try:
-            Tracker.params(flatten(cfg))
+            # "algorithm" as one param too (the config logs each algorithm's settings), for the UI's compare charts
+            Tracker.params({**flatten(cfg), "algorithm": ",".join(cfg.algorithm.keys()) or "RTN"})
             Tracker.text(config_yaml(cfg), "config.yaml")
             backend = validate(cfg)  # inside the run: a bad config leaves a FAILED run that says why
             state = RunState(cfg, backend, tracked=True)
@@ -161,7 +172,9 @@ def _tracked_run(cfg: DictConfig, tracker: Tracker, chash: str, job: Optional["S
             result = execute(state)
             Tracker.tags(result.tags)
             Tracker.metrics(result.metrics)
-            result.run_id = run_id
+            result.run_id, result.name = run_id, name
+            result.description = run_description(result.metrics, result.tags, cfg.backend.name)
+            Tracker.describe(result.description)
             Tracker.text(run_log.getvalue(), "run.log")
             tracker.finish()
         except BaseException as exc:
@@ -188,8 +201,12 @@ def _phases(state: RunState) -> str:
     return ",".join(phases + ([state.cfg.backend.name] if state.backend.deploys else []))
 
 
-def _default_run_name(cfg: DictConfig) -> str:
-    return f"{cfg.model.name}-{cfg.quant.name}-{cfg.observer.name}-{cfg.calibration.name}"
+def _default_run_name(cfg: DictConfig, job: Optional["SweepJob"]) -> str:
+    try:
+        scheme = get_backend(cfg.backend.name).scheme(cfg)
+    except Exception:  # noqa: BLE001 - an unknown backend fails validation inside the run, which needs a name first
+        scheme = str(cfg.quant.name)
+    return run_name(cfg, scheme, job.overrides, job.varied) if job else run_name(cfg, scheme)
 
 
 def execute(state: RunState) -> ExperimentResult:

@@ -5,6 +5,8 @@ and the keys of the content-addressed cache entries the stages share (a key chan
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import platform
 import socket
 import subprocess
@@ -15,6 +17,8 @@ from typing import Dict
 from omegaconf import DictConfig, OmegaConf
 
 from qexp.cache import stable_hash
+
+log = logging.getLogger("qexp")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Bump when a change makes cached QDQ programs of the same inputs differ.
@@ -84,27 +88,40 @@ def environment_tags() -> Dict[str, str]:
 def pin_cpu_numerics() -> Dict[str, str]:
     """Put PyTorch's CPU numerics in one state for the whole run, whatever ran before, and say which (run tags).
 
-    QnnQuantizer's constructor turns PyTorch's MKLDNN backend off on AMD hosts (a global flag, against a crash there).
-    A run that calibrated therefore evaluated its QDQ program without MKLDNN, and a run that found the program in
-    the cache evaluated it with MKLDNN: SmolLM2 16a4w gave ppl 47.291 cold and 47.252 warm on the same AMD host, and
-    Intel hosts never turn it off. qexp turns it off on every host before the first stage: every phase, cold or
-    warm, on AMD or Intel, runs the same (non-MKLDNN) CPU kernels.
+    MKLDNN: QnnQuantizer's constructor turns PyTorch's MKLDNN backend off on AMD hosts (a global flag, against a crash
+    there). A run that calibrated therefore evaluated its QDQ program without MKLDNN, and a run that found the program
+    in the cache evaluated it with MKLDNN: SmolLM2 16a4w gave ppl 47.291 cold and 47.252 warm on the same AMD host,
+    and Intel hosts never turn it off. qexp turns it off on every host before the first stage.
+
+    Kernels: the instruction set PyTorch dispatches to is pinned at import (qexp/__init__.py: AVX2); if PyTorch ran
+    before qexp was imported it may be another one, which the tags and the cache keys then say.
     """
     import torch
 
     torch.backends.mkldnn.enabled = False
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != PINNED_CPU_CAPABILITY and os.environ.get("ATEN_CPU_CAPABILITY", "").upper() != capability:
+        log.warning("PyTorch runs %s CPU kernels, not %s: PyTorch ran before qexp was imported (import qexp first), "
+                    "so QDQ perplexities may differ from other runs' by ~1%%", capability, PINNED_CPU_CAPABILITY)
     return {"numerics.mkldnn": "off", "numerics.torch_threads": str(torch.get_num_threads()),
-            "numerics.cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "numerics.cpu_capability": capability, "numerics.mkl_cbwr": os.environ.get("MKL_CBWR", "-")}
 
 
-NUMERICS_KEY = "mkldnn-off"  # part of the keys of cached results computed on the CPU (bump with pin_cpu_numerics)
+PINNED_CPU_CAPABILITY = "AVX2"  # qexp/__init__.py sets ATEN_CPU_CAPABILITY=avx2 unless the user set it
+
+
+def numerics_key() -> str:
+    """Part of the keys of cached results computed on the CPU: the numerics they were computed with."""
+    import torch
+
+    return f"mkldnn-off-{torch.backends.cpu.get_cpu_capability()}"
 
 
 def fp_eval_key(cfg: DictConfig, model, static, windows, keep_logits: int) -> str:
     """The FP phase of one model on one set of windows (shared by every run and sweep job that asks for it)."""
     return stable_hash({"model": model.fingerprint, "arch": cfg.model.arch, "r3": static.r3,
                         "context": cfg.export.max_context_len, "windows": windows.sha256,
-                        "keep_logits": keep_logits, "numerics": NUMERICS_KEY, "versions": library_versions()},
+                        "keep_logits": keep_logits, "numerics": numerics_key(), "versions": library_versions()},
                        length=24)
 
 
@@ -124,6 +141,6 @@ def qdq_cache_key(cfg: DictConfig, model, static, calibration, soc: str, algorit
         "observer": OmegaConf.to_container(cfg.observer, resolve=True, enum_to_str=True),
         "calibration": calibration.sha256,
         "soc": soc,
-        "numerics": NUMERICS_KEY,  # calibration runs the model eagerly on the CPU
+        "numerics": numerics_key(),  # calibration runs the model eagerly on the CPU
         "versions": library_versions(),
     }, length=24)

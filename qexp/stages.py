@@ -4,6 +4,7 @@ the module that does the work, and records what it produced: metrics, tags, para
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -64,6 +65,9 @@ def text(state) -> None:
         "text.calibration_chars": corpus.n_chars["calibration"],
     })
     state.log_array(windows.ids, "eval/windows.npy")
+    # Name and digest say which text and which windows: runs on different text differ in the UI's Dataset column.
+    state.log_dataset(windows.ids, f"{corpus.source}:test", windows.sha256, corpus.location, "evaluation",
+                      windows=f"{windows.n_windows} x {windows.seq_len} tokens", text_sha256=corpus.sha256[:16])
 
 
 def fp(state) -> None:
@@ -87,6 +91,7 @@ def fp(state) -> None:
 
 def calibration(state) -> None:
     from qexp.data.calibration import build_calibration, check_disjoint
+    from qexp.data.text import calibration_corpus
     from qexp.transforms import build_transforms
 
     needed = state.quantized or any(t.needs_calibration for t in build_transforms(state.cfg.algorithm))
@@ -94,11 +99,35 @@ def calibration(state) -> None:
         return
     cfg, model = state.cfg, state.model
     with state.timer.stage("calibration_data"):
-        state.calibration = build_calibration(cfg.calibration, state.corpus, model.tokenizer, model.add_bos,
+        # calibration.text: another text's calibration half (domain shift); null = the evaluation text's
+        corpus = calibration_corpus(cfg.text, cfg.calibration.text, state.corpus, state.cache)
+        state.calibration = build_calibration(cfg.calibration, corpus, model.tokenizer, model.add_bos,
                                               cfg.export.max_context_len)
-        check_disjoint(state.calibration, state.windows)
-    state.tags["calibration_sha256"] = state.calibration.sha256
-    state.metrics["calibration_tokens"] = state.calibration.n_tokens
+        check_disjoint(state.calibration, state.windows)  # also across texts: no shared token run with the windows
+    calibration = state.calibration
+    state.tags["calibration_sha256"] = calibration.sha256
+    state.metrics["calibration_tokens"] = calibration.n_tokens
+    if cfg.calibration.kind.name == "wikitext":
+        state.tags.update({"calibration_text_source": corpus.source, "calibration_text_sha256": corpus.sha256})
+        state.log_params({"calibration.text_source": corpus.source})
+    tokens = np.concatenate([np.asarray(s, dtype=np.int64) for s in calibration.samples])
+    name, source = _calibration_dataset(cfg.calibration, corpus)
+    state.log_dataset({"input_ids": tokens}, name, calibration.sha256, source, "calibration",
+                      samples=len(calibration.samples), tokens=calibration.n_tokens,
+                      description=calibration.description)
+
+
+def _calibration_dataset(cfg, corpus) -> tuple:
+    """The calibration set's (name, source): `gensim-enwiki-excerpt:calibration`, `prompts`, `chat:<file>`."""
+    from qexp.data.calibration import BUILTIN_CHATS
+
+    kind = cfg.kind.name
+    if kind == "wikitext":
+        return f"{corpus.source}:calibration", corpus.location
+    if kind == "prompt":
+        return "prompts", "config:calibration.prompts"
+    path = cfg.chat_path or BUILTIN_CHATS
+    return f"chat:{os.path.basename(path)}", str(path)
 
 
 def transform(state) -> None:

@@ -16,6 +16,8 @@ from typing import List
 import matplotlib
 import pytest
 
+import qexp  # noqa: F401 - first: it pins PyTorch's CPU kernels (AVX2), which must happen before any PyTorch operation
+
 # matplotlib's C++ font extension segfaults when first imported into a process that has already run the QNN HTP
 # libraries (test_htp, test_smollm2 run before the report tests); imported first, it is fine.
 matplotlib.use("Agg")
@@ -81,6 +83,7 @@ def mlflow_server(tmp_path):
          "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--default-artifact-root", str(tmp_path / "art"),
          "--workers", "1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # no GenAI job consumers (25 processes)
     )
     uri = f"http://127.0.0.1:{port}"
     import requests

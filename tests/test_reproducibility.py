@@ -4,19 +4,26 @@ QnnQuantizer's constructor turns MKLDNN off there, so only the cold run evaluate
 
 from __future__ import annotations
 
-from helpers import TINY
+import os
+import re
+import subprocess
+import sys
+
+from mlflow.tracking import MlflowClient
+
+from helpers import REPO, TINY
 from qexp.pipeline import run_experiment
 
 RESULTS = ("ppl_fp", "ppl_qdq", "word_ppl_qdq", "bits_per_byte_qdq", "logits_sqnr_db_qdq_vs_fp",
            "top1_agreement_qdq_vs_fp")
+# channels >= ~512: below that PyTorch's MKLDNN and native 1x1 convs agree bit for bit, and a test could not fail
+WIDE = ["model.tiny.dim=512", "model.tiny.hidden_dim=1024", "model.tiny.n_heads=8", "model.tiny.n_layers=1"]
 
 
 def test_cold_and_warm_runs_agree_exactly(compose, tmp_path):
     import torch
 
-    # channels >= ~512: below that PyTorch's MKLDNN and native 1x1 convs agree bit for bit, and the test could not fail
-    wide = ["model.tiny.dim=512", "model.tiny.hidden_dim=1024", "model.tiny.n_heads=8", "model.tiny.n_layers=1"]
-    cfg = compose(TINY + wide + ["quant=16a4w", f"cache_dir={tmp_path}", "tracking.force=true"])
+    cfg = compose(TINY + WIDE + ["quant=16a4w", f"cache_dir={tmp_path}", "tracking.force=true"])
     torch.backends.mkldnn.enabled = True  # what a fresh process starts with
     cold = run_experiment(cfg)
     torch.backends.mkldnn.enabled = True
@@ -25,3 +32,45 @@ def test_cold_and_warm_runs_agree_exactly(compose, tmp_path):
     assert warm.tags["fp_eval_cache_hit"] == "true"
     assert {k: cold.metrics[k] for k in RESULTS} == {k: warm.metrics[k] for k in RESULTS}
     assert cold.tags["numerics.mkldnn"] == "off"
+
+
+
+def test_thread_count_does_not_change_results(compose, tmp_path):
+    """#18: the same config with 1 and with 2 PyTorch threads gives bit-identical results (measured on SmolLM2 too:
+    FP and QDQ logits identical), so the thread count is recorded (numerics.torch_threads) but needs no pinning."""
+    import torch
+
+    before = torch.get_num_threads()
+    results = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            cfg = compose(TINY + WIDE + ["quant=16a4w", f"cache_dir={tmp_path / str(threads)}", "tracking.force=true"])
+            results[threads] = run_experiment(cfg)
+    finally:
+        torch.set_num_threads(before)
+    assert [results[t].tags["numerics.torch_threads"] for t in (1, 2)] == ["1", "2"]
+    assert {k: results[1].metrics[k] for k in RESULTS} == {k: results[2].metrics[k] for k in RESULTS}
+
+
+def _qexp_run(tmp_path, env_extra, store):
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
+    out = subprocess.run([sys.executable, "-m", "qexp", *TINY, *WIDE, "quant=16a4w", f"cache_dir={tmp_path / 'cache'}",
+                          f"tracking.uri={store}", "tracking.experiment=numerics", "tracking.force=true"],
+                         cwd=REPO, env={**env, **env_extra}, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    run_id = re.search(r"qexp: run (\w+) ", out.stdout).group(1)
+    return MlflowClient(store).get_run(run_id)
+
+
+def test_cpu_kernels_are_pinned_and_recorded(tmp_path):
+    """#18: qexp pins PyTorch's CPU kernels to AVX2 on every host (they change QDQ perplexities by ~1% between AVX2,
+    AVX512 and DEFAULT); a run with other kernels says so in its tags and never shares cache entries with them."""
+    store = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    pinned = _qexp_run(tmp_path, {}, store)
+    other = _qexp_run(tmp_path, {"ATEN_CPU_CAPABILITY": "default"}, store)
+    assert pinned.data.tags["numerics.cpu_capability"] == "AVX2"
+    assert other.data.tags["numerics.cpu_capability"] == "DEFAULT"
+    assert pinned.data.tags["numerics.mkl_cbwr"] == "AVX2"
+    # the same cache directory: the second run must not reuse the first's FP evaluation or calibrated program
+    assert other.data.tags["fp_eval_cache_hit"] == "false" and other.data.tags["qdq_cache_hit"] == "false"

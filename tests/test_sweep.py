@@ -66,6 +66,9 @@ def test_parent_and_children(sweeps, store_uri):
         assert child.info.status == "FINISHED" and child.data.tags["qexp.sweep"] == "quant_grid"
         assert {"ppl_fp", "weights_mb", "time_eval_fp_s"} <= set(child.data.metrics)
         assert {"config_hash", "text_source", "eval_windows_sha256"} <= set(child.data.tags)
+    # #16: short distinct names, the sweep's result as the parent's description
+    assert sorted(r.info.run_name for r in children) == ["tiny · 16a4w · RTN · none", "tiny · fp32 · RTN · none"]
+    assert parent.data.tags["mlflow.note.content"].startswith("sweep quant_grid: 2 jobs (2 finished")
     # the FP phase is evaluated once and shared by the second job
     assert sorted(r.data.tags["fp_eval_cache_hit"] for r in children) == ["false", "true"]
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
@@ -224,7 +227,9 @@ def test_notebook_executes(sweeps, store_uri):
         for key, value in saved.items():
             os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
-    text = "".join(o.get("text", "") + str(o.get("data", {}).get("text/markdown", "")) for o in outputs)
-    assert "3 runs of experiment 'sweeptest'" in text and "16a4w" in text and "PPL QDQ" in text
-    assert any("image/png" in o.get("data", {}) for o in outputs)
     assert not any(o.get("output_type") == "error" for o in outputs)
+    # the MLflow section (the committed-results section above it draws from results/ whatever the store holds)
+    sweep_cell = next(c for c in notebook.cells if c.cell_type == "code" and "load_runs(EXPERIMENT" in c.source)
+    text = "".join(o.get("text", "") + str(o.get("data", {}).get("text/markdown", "")) for o in sweep_cell.outputs)
+    assert "3 runs of experiment 'sweeptest'" in text and "16a4w" in text and "PPL QDQ" in text
+    assert any("image/png" in o.get("data", {}) for o in sweep_cell.outputs)

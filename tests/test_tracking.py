@@ -49,7 +49,27 @@ def _check_run(client: MlflowClient, run_id: str, cfg):
     import hashlib
 
     assert hashlib.sha256(windows.astype(np.int64).tobytes()).hexdigest() == run.data.tags["eval_windows_sha256"]
+    _check_what_the_ui_shows(client, run, cfg)
     return run
+
+
+def _check_what_the_ui_shows(client: MlflowClient, run, cfg):
+    """#16: the UI opens on the runs table; a run has a short readable name, a one-line result and its datasets."""
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert "ppl_qdq" in experiment.tags["mlflow.note.content"]
+    assert run.info.run_name.startswith(f"tiny · {cfg.quant.name} · RTN · ")
+    note = run.data.tags["mlflow.note.content"]
+    assert note.startswith(f"ppl {run.data.metrics['ppl_qdq']:.1f} (") and "vs FP" in note and "min" in note
+    inputs = {{t.key: t.value for t in d.tags}["mlflow.data.context"]: d.dataset
+              for d in run.inputs.dataset_inputs}
+    assert set(inputs) == {"evaluation", "calibration"}
+    source = run.data.tags["text_source"]
+    assert inputs["evaluation"].name == f"{source}:test" and inputs["calibration"].name == f"{source}:calibration"
+    assert inputs["evaluation"].digest == run.data.tags["eval_windows_sha256"][:16]
+    assert inputs["calibration"].digest == run.data.tags["calibration_sha256"][:16]
+    found = client.search_runs([run.info.experiment_id], f"dataset.digest = '{inputs['evaluation'].digest}'")
+    assert run.info.run_id in {r.info.run_id for r in found}
 
 
 def test_experiment_in_embedded_store(compose, store_uri):
@@ -88,6 +108,8 @@ def test_failed_run_is_marked_failed(compose, store_uri, tmp_path):
                               "tags.mlflow.runName = 'poisoned'")
     assert runs and runs[0].info.status == "FAILED"
     assert "checkpoint not found" in runs[0].data.tags["error"]
+    assert runs[0].data.tags["mlflow.note.content"].startswith("FAILED: ") and "checkpoint not found" in \
+        runs[0].data.tags["mlflow.note.content"]
     assert "checkpoint not found" in mlflow.artifacts.load_text(f"runs:/{runs[0].info.run_id}/error.txt")
 
 

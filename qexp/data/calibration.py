@@ -25,6 +25,7 @@ from qexp.models.tokenizer import Tokenizer
 
 log = logging.getLogger("qexp")
 
+BUILTIN_CHATS = str(resources.files("qexp") / "data" / "chat_samples.json")  # calibration=chat without chat_path
 OVERLAP_NGRAM = 24  # tokens; long enough that a shared n-gram means shared text, not a common phrase
 
 
@@ -73,7 +74,7 @@ def build_calibration(
         samples = [tokenizer.encode(p)[: cfg.seq_len - len(prefix)] for p in prompts[: cfg.limit]]
         description = f"{len(samples)} prompt(s)"
     else:  # chat
-        path = cfg.chat_path or str(resources.files("qexp") / "data" / "chat_samples.json")
+        path = cfg.chat_path or BUILTIN_CHATS
         conversations = _read_chats(path)[: cfg.limit]
         texts = [tokenizer.render_chat(c["messages"], cfg.chat_template) for c in conversations]
         # A rendered template already starts with its own BOS-like token where the model has one.

@@ -84,7 +84,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "+-PCT percent at 95%% (from the run's per-window log-likelihoods)")
     parser.add_argument("--allow-mixed", action="store_true", help="tabulate runs with different text/windows")
     parser.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI or the embedded store")
+    parser.add_argument("--replot", metavar="NAME", help="only redraw <out-dir>/NAME_*.png from NAME.csv (no MLflow; "
+                        "text/windows from NAME.md for CSVs older than those columns)")
+    parser.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"),
+                        help="print two runs side by side (params that differ, metrics with B-A and B/A-1) instead of "
+                        "a table: run ids, unique id prefixes (>= 6 characters) or run names (within --experiment "
+                        "if given, else any experiment)")
     args = parser.parse_args(argv)
+    if args.replot:  # a committed report whose runs are not in this store: its CSV is the whole input
+        from qexp.report.plots import replot
+
+        try:
+            images = replot(Path(args.out_dir) / f"{args.replot}.csv")
+        except QexpError as exc:
+            print(f"qexp.report: error: {exc}", file=sys.stderr)
+            return 2
+        print("wrote " + ", ".join(str(p) for p in images))
+        return 0
+    if args.compare:  # one comparison on the terminal: no table, no plots
+        from qexp.report.compare_runs import compare_runs, render
+
+        parser.set_defaults(experiment=None)  # only an --experiment the user passed narrows the run names
+        try:
+            print(render(compare_runs(*args.compare, args.tracking_uri, parser.parse_args(argv).experiment)))
+        except QexpError as exc:
+            print(f"qexp.report: error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     command = "python -m qexp.report " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     try:
         runs = load_runs(args.experiment, args.sweep, args.filter, args.tracking_uri)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 from typing import Dict, Optional
 
 import numpy as np
@@ -21,13 +22,22 @@ IDENTITY = ("params.model.name", "tags.scheme", "tags.weight_grid", "tags.lm_hea
 
 
 @functools.lru_cache(maxsize=None)  # a run's artifact never changes; both options read the same runs
-def _per_window(run_id: str) -> Optional[pd.DataFrame]:
+def per_window(run_id: str) -> Optional[pd.DataFrame]:
+    """A run's eval/per_window.csv (log-likelihood per window and phase), or None where it has none."""
     import mlflow
+    from mlflow.environment_variables import MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR
 
+    shown = os.environ.get(MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR.name)
+    os.environ[MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR.name] = "false"  # a bar per small file would bury the table
     try:
         return pd.read_csv(io.StringIO(mlflow.artifacts.load_text(f"runs:/{run_id}/eval/per_window.csv")))
     except Exception:  # noqa: BLE001 - a run without the artifact (older, or FP only) gets no figure
         return None
+    finally:
+        if shown is None:
+            os.environ.pop(MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR.name, None)
+        else:
+            os.environ[MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR.name] = shown
 
 
 def _tokens(runs: pd.DataFrame) -> Dict[str, float]:
@@ -39,7 +49,7 @@ def add_windows_needed(report: Report, runs: pd.DataFrame, resolve: float) -> No
     header = f"windows for ±{100 * resolve:g}%"
     tokens, needed = _tokens(runs), {}
     for run_id in runs["run_id"]:
-        frame = _per_window(run_id)
+        frame = per_window(run_id)
         if frame is None or not {"ll_qdq", "ll_fp"} <= set(frame) or pd.isna(tokens[run_id]):
             continue
         needed[run_id] = windows_needed(frame["ll_qdq"].to_numpy(), frame["ll_fp"].to_numpy(), int(tokens[run_id]),
@@ -69,7 +79,7 @@ def add_paired(report: Report, runs: pd.DataFrame, spec: str) -> None:
         base = baselines.get(key(row))
         if base is None or base == row["run_id"] or pd.isna(tokens[row["run_id"]]):
             continue
-        test, reference = _per_window(row["run_id"]), _per_window(base)
+        test, reference = per_window(row["run_id"]), per_window(base)
         if test is None or reference is None or "ll_qdq" not in test or "ll_qdq" not in reference:
             continue
         t, r = test["ll_qdq"].to_numpy(), reference["ll_qdq"].to_numpy()

@@ -51,6 +51,8 @@ COMPARABILITY = {
     "tags.text_sha256": "text",
     "params.eval.window_len": "window length",
     "params.eval.n_windows": "window count",
+    # PyTorch's CPU kernels (AVX2, AVX512, ...): QDQ perplexities differ by ~1% between them (qexp/__init__.py)
+    "tags.numerics.cpu_capability": "CPU kernels",
 }
 MIXED_COLUMNS = {"text_source": ("params.eval.text_source", "text"),
                  "window_len": ("params.eval.window_len", "window len"),
@@ -71,7 +73,8 @@ def _derived(runs: pd.DataFrame) -> pd.DataFrame:
         + np.where(sampling.str.endswith("spread"), " spread", ""),
     )
     runs["params.observer.name"] = np.where(fp32, "-", column(runs, "params.observer.name"))
-    runs["algorithm"] = column(runs, "tags.algorithm").fillna("RTN").replace("", "RTN")
+    runs["algorithm"] = column(runs, "tags.algorithm").fillna(_algorithms_from_params(runs)).fillna("RTN").replace(
+        "", "RTN")
     runs["kv_mode"] = column(runs, "params.backend.kv_update").fillna("-")  # logged only by backends that have one
     target = column(runs, "tags.target")
     runs["target"] = target.where(target.notna(), "pytorch")
@@ -83,6 +86,17 @@ def _derived(runs: pd.DataFrame) -> pd.DataFrame:
         runs[f"delta_vs_fp_{bound}"] = num(f"metrics.ppl_qdq_vs_fp_{bound}").where(
             qdq.notna(), num(f"metrics.ppl_deployed_vs_fp_{bound}"))
     return runs
+
+
+def _algorithms_from_params(runs: pd.DataFrame) -> pd.Series:
+    """The algorithms a run logged settings for (params.algorithm.<name>.*), for runs from before the algorithm tag."""
+    names = sorted({c.split(".")[2] for c in runs if c.startswith("params.algorithm.") and c.count(".") >= 3})
+    logged = [runs[[c for c in runs if c.startswith(f"params.algorithm.{n}.")]].notna().any(axis=1).rename(n)
+              for n in names]
+    if not logged:
+        return pd.Series(np.nan, index=runs.index)
+    found = pd.concat(logged, axis=1)
+    return found.apply(lambda row: ",".join(n for n in names if row[n]) or np.nan, axis=1)
 
 
 def resolve_columns(names: Optional[Sequence[str]]) -> Dict[str, tuple[str, str]]:
@@ -136,6 +150,13 @@ def _data(runs: pd.DataFrame, chosen: Dict[str, tuple[str, str]]) -> pd.DataFram
     data["config_hash"] = column(runs, "tags.config_hash").values
     data["weights_mb"] = pd.to_numeric(column(runs, "metrics.weights_mb"), errors="coerce").values
     data["target"] = runs["target"].values
+    # the plots' labels and caption: which algorithm, and the text and windows every perplexity was measured on
+    if "algorithm" not in data:
+        data["algorithm"] = runs["algorithm"].values
+    data["text"] = column(runs, "params.eval.text_source").values
+    for name in ("n_windows", "window_len"):
+        if name not in data:  # --allow-mixed shows them already
+            data[name] = pd.to_numeric(column(runs, f"params.eval.{name}"), errors="coerce").values
     for extra in CSV_METRICS:
         if f"metrics.{extra}" in runs and extra not in data:
             data[extra] = pd.to_numeric(runs[f"metrics.{extra}"], errors="coerce").values

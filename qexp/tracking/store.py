@@ -21,9 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 from qexp.config import TrackingConfig
 from qexp.errors import TrackingError
 from qexp.provenance import REPO_ROOT
+from qexp.tracking.naming import EXPERIMENT_DESCRIPTION, EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, NOTE_TAG, failed_description
 from qexp.tracking.redact import redact, redact_text
+from qexp.tracking.ui_view import VIEW_TAG, view_json
 
 log = logging.getLogger("qexp")
+
+DIGEST_CHARS = 16  # of a dataset's sha256 in MLflow (its column holds 36 characters)
 
 
 def embedded_store_uri(root: Path = REPO_ROOT) -> str:
@@ -95,6 +99,21 @@ def watch_experiment(uri: str, experiment_id: str) -> None:
     watch(uri, experiment_id)
 
 
+_EXPERIMENT_TAGS = {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, NOTE_TAG: EXPERIMENT_DESCRIPTION, VIEW_TAG: view_json()}
+
+
+def describe_experiment(experiment: "mlflow.entities.Experiment", client=None) -> None:
+    """Give an experiment qexp's kind, view and description (experiments created before them, or classified by
+    MLflow, included); a description the user wrote is kept."""
+    client = client or mlflow.tracking.MlflowClient()
+    wanted = dict(_EXPERIMENT_TAGS)
+    if experiment.tags.get(NOTE_TAG):
+        del wanted[NOTE_TAG]
+    for key, value in wanted.items():
+        if experiment.tags.get(key) != value:
+            client.set_experiment_tag(experiment.experiment_id, key, value)
+
+
 class Tracker:
     def __init__(self, cfg: TrackingConfig):
         self.cfg = cfg
@@ -124,13 +143,15 @@ class Tracker:
     def _experiment_id(self) -> str:
         experiment = mlflow.get_experiment_by_name(self.cfg.experiment)
         if experiment is not None:
+            describe_experiment(experiment)
             return experiment.experiment_id
         artifact_location = None
         if self.uri == embedded_store_uri():
             (REPO_ROOT / "mlartifacts").mkdir(mode=0o700, exist_ok=True)
             artifact_location = (REPO_ROOT / "mlartifacts").as_uri()
         try:
-            return mlflow.create_experiment(self.cfg.experiment, artifact_location=artifact_location)
+            return mlflow.create_experiment(self.cfg.experiment, artifact_location=artifact_location,
+                                            tags=_EXPERIMENT_TAGS)
         except mlflow.exceptions.MlflowException as exc:  # created by a process that started at the same moment
             experiment = mlflow.get_experiment_by_name(self.cfg.experiment)
             if experiment is None:
@@ -183,7 +204,7 @@ class Tracker:
             return
         message = redact_text(f"{type(exc).__name__}: {exc}")
         try:
-            mlflow.set_tag("error", message[:5000])
+            mlflow.set_tags({"error": message[:5000], NOTE_TAG: redact_text(failed_description(exc))})
             mlflow.log_text(redact_text("".join(traceback.format_exception(exc))), "error.txt")
         finally:
             mlflow.end_run("FAILED")
@@ -199,6 +220,25 @@ class Tracker:
     @staticmethod
     def tags(values: Dict[str, Any]) -> None:
         mlflow.set_tags({k: redact_text(str(v)) for k, v in values.items()})
+
+    @staticmethod
+    def describe(description: str) -> None:
+        """The run's description in the MLflow UI (its one-line result)."""
+        mlflow.set_tag(NOTE_TAG, redact_text(description))
+
+    @staticmethod
+    def dataset(features, name: str, digest: str, source: str, context: str, tags: Dict[str, str]) -> None:
+        """A dataset as an MLflow input (the UI's Dataset column, `dataset.name`/`dataset.context` in searches).
+
+        `features` are the token ids; MLflow keeps their schema and shape, not the data (eval/windows.npy does)."""
+        import warnings
+
+        import mlflow.data
+
+        with warnings.catch_warnings():  # MLflow warns that a local path source is resolved by its registry
+            warnings.simplefilter("ignore")
+            data = mlflow.data.from_numpy(features, source=source, name=name, digest=digest[:DIGEST_CHARS])
+        mlflow.log_input(data, context=context, tags={k: redact_text(str(v)) for k, v in tags.items()})
 
     @staticmethod
     def metrics(values: Dict[str, float]) -> None:

@@ -24,6 +24,7 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from qexp.tracking.naming import NOTE_TAG, sweep_description
 from qexp.tracking.redact import redact, redact_text
 
 log = logging.getLogger("qexp")
@@ -55,6 +56,7 @@ class SweepJob:
     num: int
     output_dir: Path
     overrides: List[str] = field(default_factory=list)
+    varied: List[str] = field(default_factory=list)  # the config keys the sweep varies (its runs' names show them)
     started: float = field(default_factory=time.time)
 
     def tags(self) -> Dict[str, str]:
@@ -92,7 +94,21 @@ def current_job(sweep_name: Optional[str] = None) -> Optional[SweepJob]:
         num=int(hydra_cfg.job.num),
         output_dir=Path(hydra_cfg.runtime.output_dir),
         overrides=list(hydra_cfg.overrides.task),
+        varied=list(info.get("varied", [])),
     )
+
+
+_SWEEP_SYNTAX = (",", "choice(", "range(", "interval(", "glob(", "tag(")
+
+
+def varied_keys(task_overrides: List[str], sweeper_params: dict) -> List[str]:
+    """The keys a multirun sweeps: its sweeper's grid, and command-line overrides with sweep syntax (`a=x,y`)."""
+    keys = {str(k).lstrip("+~") for k in sweeper_params}
+    for override in task_overrides:
+        key, _, value = override.partition("=")
+        if any(token in value for token in _SWEEP_SYNTAX):
+            keys.add(key.lstrip("+~"))
+    return sorted(keys)
 
 
 def sweep_name(config: DictConfig) -> str:
@@ -171,6 +187,7 @@ class SweepCallback(Callback):
         sweep_file.write_text(json.dumps({
             "name": name, "parent_run_id": run.info.run_id, "tracking_uri": tracker.uri,
             "experiment_id": experiment_id, "command": command,
+            "varied": varied_keys(list(config.hydra.overrides.task), _sweeper_params(config)),
         }, indent=1))
         self._start = time.time()
         log.info("sweep %r: parent MLflow run %s, jobs in %s", name, run.info.run_id, sweep_dir)
@@ -196,6 +213,7 @@ class SweepCallback(Callback):
         if counts["failed"]:
             failed = jobs[jobs["status"] == "failed"]
             client.set_tag(parent, "error", "; ".join(f"[{r.overrides}] {r.error}" for r in failed.itertuples())[:5000])
+        client.set_tag(parent, NOTE_TAG, sweep_description(info["name"], counts, config.tracking.experiment))
         client.set_terminated(parent, "FAILED" if counts["failed"] else "FINISHED")
         summary = ", ".join(f"{count} {status}" for status, count in counts.items())
         print(f"qexp: sweep {info['name']!r} ({len(jobs)} jobs): {summary}; parent run {parent}; "

@@ -187,9 +187,9 @@ def _cached_apply(transform: ModelTransform, model: "LoadedModel", context: Tran
     weight ranges); an entry is complete or absent (a failing transform leaves nothing)."""
     import torch
 
-    from qexp.provenance import NUMERICS_KEY, library_versions
+    from qexp.provenance import library_versions, numerics_key
 
-    key = stable_hash({"version": TRANSFORM_CACHE_VERSION, "fingerprint": fingerprint, "numerics": NUMERICS_KEY,
+    key = stable_hash({"version": TRANSFORM_CACHE_VERSION, "fingerprint": fingerprint, "numerics": numerics_key(),
                        "versions": library_versions()}, length=24)
     computed = {}
 

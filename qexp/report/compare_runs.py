@@ -1,0 +1,357 @@
+"""Two runs side by side on the terminal: `python -m qexp.report --compare RUN_A RUN_B`.
+
+The params that differ, the metrics with B-A and B/A-1, and loud flags where a difference means nothing: perplexities
+from different text or windows, speeds from different targets or machines. Where both runs scored the very same
+windows, the perplexity ratios get the paired 95% interval of qexp/eval/uncertainty.py, so a difference within the
+noise shows as such (`~`). Reads the store only: a dead RUNNING run is reported, not reconciled.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import textwrap
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import pandas as pd
+
+from qexp.eval.uncertainty import unit_interval
+from qexp.report.base import ReportError
+from qexp.report.paired import per_window as window_loglikelihoods
+from qexp.report.query import LEGACY_NAMES, _default_tracking_uri, with_current_names
+from qexp.report.table import COMPARABILITY, EMULATED, _delta_cell
+
+MIN_PREFIX = 6  # hex characters of a run id: 16.7 million values, ambiguous only in huge stores (then: an error)
+# Where a run is tracked or cached changes no result: the keys provenance.config_hash leaves out.
+BOOKKEEPING = ("tracking.", "cache.", "cache_dir", "verbose")
+# The headline perplexities first, in the order of a run's phases; other perplexities follow, then the rest sorted.
+HEADLINE = ("ppl_fp", "ppl_qdq", "ppl_deployed", "ppl_fp_sub", "ppl_qdq_sub")
+PHASES = ("fp", "qdq", "deployed")  # eval/per_window.csv holds ll_<phase> for the phases a run scored per window
+PERPLEXITY = re.compile(r"^(word_|byte_)?ppl_")
+# Measured on the evaluation windows: meaningless between runs on different text or windows.
+WINDOW_METRICS = re.compile(r"^(ppl|word_ppl|byte_ppl|bits_per_byte|nll|top1_agreement|logits_sqnr_db)_")
+# A relative difference within one run (ppl_qdq_vs_fp = PPL QDQ / PPL FP - 1): shown in %, compared in points.
+RELATIVE = re.compile(r"^ppl_.*_vs_")
+# Speed of the deployed program, and the stages' wall-clock times: both depend on where the run ran.
+TIMING = re.compile(r"(_ms|_tok_s|_us_per_token)$|^time_")
+INTERVAL_SUFFIXES = ("_ci_low", "_ci_high", "_ci_units")
+WIDTH = 118  # flags and notes wrap here; the tables are as wide as their values
+VALUE_WIDTH = 44  # a param value longer than this (quant.overrides, prompts) is cut; the MLflow UI has it whole
+
+
+@dataclass
+class RunSummary:
+    run_id: str
+    name: str
+    status: str
+    started: str
+    experiment: str
+    warning: Optional[str] = None  # why this run's numbers may be incomplete (not FINISHED, deleted)
+
+
+@dataclass
+class MetricRow:
+    name: str
+    a: float
+    b: float
+    a_interval: Tuple[float, float] = (np.nan, np.nan)  # the run's own 95% interval of a relative metric
+    b_interval: Tuple[float, float] = (np.nan, np.nan)
+    paired: Tuple[float, float] = (np.nan, np.nan)  # 95% interval of B/A - 1 over the windows both scored
+    flag: str = ""
+
+
+@dataclass
+class RunComparison:
+    a: RunSummary
+    b: RunSummary
+    params_differ: List[Tuple[str, str, str]]  # (key, A's value, B's value); '-' where a run lacks the key
+    params_equal: int
+    metrics: List[MetricRow]
+    metrics_equal: List[str]  # non-perplexity metrics with the same value in both runs
+    not_comparable: Optional[str] = None  # e.g. "window count 3 vs 4"
+    timing_differs: Optional[str] = None  # e.g. "target x86_emulator vs cpu"
+    notes: List[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- finding the runs
+def _client(tracking_uri: Optional[str]):
+    import mlflow
+
+    uri = tracking_uri or _default_tracking_uri()
+    local = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
+    if local is not None and not os.path.exists(local):  # MLflow would create an empty store and find nothing
+        raise ReportError(f"no MLflow store at {local}", "pass --tracking-uri (or set MLFLOW_TRACKING_URI)")
+    mlflow.set_tracking_uri(uri)  # paired.per_window reads artifacts through the global URI, as the report does
+    return mlflow.tracking.MlflowClient(uri)
+
+
+def _experiment_ids(client, experiment: Optional[str]) -> List[str]:
+    """Where run names are looked up: the --experiment the user named, else every experiment."""
+    if experiment is None:
+        return [e.experiment_id for e in client.search_experiments()]
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        raise ReportError(f"no MLflow experiment {experiment!r} in {client.tracking_uri}",
+                          "check --experiment (see `make ui`) or --tracking-uri")
+    return [found.experiment_id]
+
+
+def _quoted(value: str) -> str:
+    if "'" not in value:
+        return f"'{value}'"
+    if '"' not in value:
+        return f'"{value}"'
+    raise ReportError(f"run name {value!r} holds both quote characters", "pass its run id instead")
+
+
+def _candidates(client, ref: str, name_experiments: List[str]) -> Dict[str, object]:
+    """Runs whose id starts with `ref` (>= MIN_PREFIX hex characters) or whose name is exactly `ref`."""
+    from mlflow.entities import ViewType
+
+    found: Dict[str, object] = {}
+    if len(ref) >= MIN_PREFIX and re.fullmatch(r"[0-9a-f]+", ref):
+        every = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
+        for run in client.search_runs(every, f"attributes.run_id LIKE '{ref}%'", ViewType.ALL, max_results=10):
+            found[run.info.run_id] = run
+    if name_experiments:
+        for run in client.search_runs(name_experiments, f"attributes.run_name = {_quoted(ref)}", max_results=10):
+            found[run.info.run_id] = run
+    return found
+
+
+def resolve_run(client, ref: str, experiment: Optional[str] = None):
+    """A run by id, unique id prefix, or exact name (within `experiment` if given); ReportError otherwise."""
+    from mlflow.exceptions import MlflowException
+
+    name_experiments = _experiment_ids(client, experiment)  # a misspelt --experiment is an error, whatever the refs
+    try:
+        return client.get_run(ref)
+    except MlflowException:
+        pass  # not a whole run id: try it as a prefix or a name
+    found = _candidates(client, ref, name_experiments)
+    if len(found) == 1:
+        return next(iter(found.values()))
+    where = f"experiment {experiment!r}" if experiment else "any experiment"
+    if not found:
+        raise ReportError(f"no run {ref!r}: not a run id, a run-id prefix (>= {MIN_PREFIX} characters) or a run "
+                          f"name in {where}", "copy the id from the MLflow UI (`make ui`)")
+    listed = ", ".join(f"{run.info.run_id[:8]} ({run.info.run_name}, {_started(run)})" for run in found.values())
+    raise ReportError(f"{ref!r} is ambiguous, it matches runs {listed}", "pass one of the ids")
+
+
+def _started(run) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.info.start_time / 1000))
+
+
+def _summary(client, run) -> RunSummary:
+    from qexp.tracking.liveness import KILLED_TAG, death_reason
+
+    info, tags = run.info, run.data.tags
+    warning = None
+    if info.status == "RUNNING":
+        dead = death_reason(tags)
+        warning = "RUNNING: " + (f"its process is dead ({dead})" if dead else "still running") + \
+            ", its metrics may be incomplete"
+    elif info.status != "FINISHED":
+        why = tags.get("error") or tags.get(KILLED_TAG) or "no reason recorded"
+        warning = f"{info.status}: {why[:100]}; its metrics are incomplete"
+    if info.lifecycle_stage == "deleted":
+        warning = "DELETED run" + (f"; {warning}" if warning else "")
+    return RunSummary(info.run_id, info.run_name or "-", info.status, _started(run),
+                      client.get_experiment(info.experiment_id).name, warning)
+
+
+# ---------------------------------------------------------------- the two runs as one frame
+def _frame(run_a, run_b) -> pd.DataFrame:
+    """Two rows of `params.*`, `metrics.*`, `tags.*` under today's names (an old run's ppl_htp is ppl_deployed)."""
+    rows = [{**{f"params.{k}": v for k, v in run.data.params.items()},
+             **{f"metrics.{k}": v for k, v in run.data.metrics.items()},
+             **{f"tags.{k}": v for k, v in run.data.tags.items()}} for run in (run_a, run_b)]
+    frame = with_current_names(pd.DataFrame(rows))
+    # the legacy columns now live under today's names: keeping them would list each value twice
+    return frame.drop(columns=[c for c in LEGACY_NAMES.values() if c in frame])
+
+
+def _present(value) -> bool:
+    return not (value is None or (isinstance(value, float) and np.isnan(value)))
+
+
+def _section(frame: pd.DataFrame, prefix: str) -> Tuple[Dict[str, object], Dict[str, object]]:
+    """{name: value} of each run for the columns under `prefix`, absent values left out."""
+    columns = [c for c in frame if c.startswith(prefix)]
+    return tuple({c[len(prefix):]: frame.at[i, c] for c in columns if _present(frame.at[i, c])} for i in (0, 1))
+
+
+def _shown(value: Optional[str]) -> str:
+    if value is None:
+        return "-"
+    value = str(value)
+    return value if len(value) <= VALUE_WIDTH else value[:VALUE_WIDTH - 1] + "…"
+
+
+def _params(frame: pd.DataFrame) -> Tuple[List[Tuple[str, str, str]], int]:
+    a, b = _section(frame, "params.")
+    keys = sorted(k for k in set(a) | set(b) if not k.startswith(BOOKKEEPING))
+    differ = [(k, _shown(a.get(k)), _shown(b.get(k))) for k in keys if a.get(k) != b.get(k)]
+    return differ, len(keys) - len(differ)
+
+
+def _not_comparable(frame: pd.DataFrame) -> Tuple[Optional[str], Optional[str]]:
+    """(what differs among text, window length and window count; what could not be checked), as in table.py."""
+    differ, unknown = [], []
+    for key, what in COMPARABILITY.items():
+        a, b = (frame.at[i, key] if key in frame and _present(frame.at[i, key]) else None for i in (0, 1))
+        if a is None or b is None:
+            unknown.append(what)
+        elif str(a) != str(b):
+            short = (lambda v: str(v)[:10]) if key == "tags.text_sha256" else str
+            differ.append(f"{what} {short(a)} vs {short(b)}")
+    return ("; ".join(differ) or None), (", ".join(unknown) or None)
+
+
+def _timing_differs(frame: pd.DataFrame) -> Optional[str]:
+    """Why the two runs' timings do not compare: another target (the emulator is not a phone) or another CPU."""
+    a, b = _section(frame, "tags.")
+    target_a, target_b = a.get("target", "pytorch"), b.get("target", "pytorch")
+    reasons = []
+    if target_a != target_b:
+        reasons.append(f"target {target_a} vs {target_b}")
+    if a.get("cpu") and b.get("cpu") and a["cpu"] != b["cpu"]:
+        reasons.append(f"cpu {a['cpu']} vs {b['cpu']}")
+    if not reasons:
+        return None
+    if {target_a, target_b} & EMULATED:
+        reasons.append("x86_emulator timings are emulator timings, not phone speed")
+    return "; ".join(reasons)
+
+
+# ---------------------------------------------------------------- metrics
+def _order(name: str) -> Tuple[int, int, str]:
+    if name in HEADLINE:
+        return 0, HEADLINE.index(name), name
+    if PERPLEXITY.match(name) and not RELATIVE.match(name):
+        return 1, 0, name
+    return 2, 0, name
+
+
+def _metric_rows(frame: pd.DataFrame, not_comparable: bool, timing_differs: bool
+                 ) -> Tuple[List[MetricRow], List[str]]:
+    a, b = _section(frame, "metrics.")
+    # a relative metric's interval rides in its row, not in rows of its own
+    names = sorted((n for n in set(a) | set(b) if not n.endswith(INTERVAL_SUFFIXES)), key=_order)
+    rows, equal = [], []
+    for name in names:
+        va, vb = float(a.get(name, np.nan)), float(b.get(name, np.nan))
+        if va == vb and _order(name)[0] == 2:
+            equal.append(name)  # the same in both: listed by name only, the perplexities always get their row
+            continue
+        interval = lambda run: (run.get(f"{name}_ci_low", np.nan), run.get(f"{name}_ci_high", np.nan))  # noqa: E731
+        flag = ("NOT COMPARABLE" if not_comparable and WINDOW_METRICS.match(name)
+                else "other target/cpu" if timing_differs and TIMING.search(name) else "")
+        rows.append(MetricRow(name, va, vb, interval(a), interval(b), flag=flag))
+    return rows, equal
+
+
+def _add_paired_intervals(frame: pd.DataFrame, rows: List[MetricRow], run_ids: Sequence[str]) -> str:
+    """Each phase's B/A - 1 interval from both runs' per-window log-likelihoods; returns the note saying which."""
+    tags = _section(frame, "tags.")
+    windows = [t.get("eval_windows_sha256") for t in tags]
+    if windows[0] and windows[1] and windows[0] != windows[1]:
+        return "No paired interval: the runs' windows hold different tokens (eval_windows_sha256; another tokenizer?)."
+    per_window = [window_loglikelihoods(run_id) for run_id in run_ids]
+    if any(f is None for f in per_window):
+        return "No paired interval: a run has no eval/per_window.csv (logged before it existed, or it failed early)."
+    first, second = per_window
+    if "window" in first and "window" in second and not first["window"].equals(second["window"]):
+        return "No paired interval: the runs' per-window files list different windows."
+    tokens = int(frame.at[0, "params.eval.window_len"]) - 1  # position 0 of a window predicts nothing
+    by_name = {row.name: row for row in rows}
+    paired = []
+    for phase in PHASES:
+        column, row = f"ll_{phase}", by_name.get(f"ppl_{phase}")
+        if row is None or column not in first or column not in second:
+            continue
+        interval = unit_interval(second[column].to_numpy(), first[column].to_numpy(), tokens)
+        row.paired = (interval.get("ci_low", np.nan), interval.get("ci_high", np.nan))
+        paired.append(row.name)
+    if not paired:
+        return "No paired interval: the runs' per-window files share no phase."
+    return (f"[low, high] on {', '.join(paired)}: 95% interval of B/A-1, paired bootstrap over the {len(first)} "
+            "windows both runs scored (qexp/eval/uncertainty.py); `~`: it spans zero, the difference is within the "
+            "noise.")
+
+
+# ---------------------------------------------------------------- the comparison
+def compare_runs(run_a: str, run_b: str, tracking_uri: Optional[str] = None,
+                 experiment: Optional[str] = None) -> RunComparison:
+    """RUN_A and RUN_B (ids, unique id prefixes, or run names within `experiment`) -> their comparison."""
+    client = _client(tracking_uri)
+    runs = [resolve_run(client, ref, experiment) for ref in (run_a, run_b)]
+    frame = _frame(*runs)
+    not_comparable, unknown = _not_comparable(frame)
+    timing = _timing_differs(frame)
+    rows, equal = _metric_rows(frame, bool(not_comparable), bool(timing))
+    params_differ, params_equal = _params(frame)
+    notes = []
+    if unknown:
+        notes.append(f"Comparability not checked for {unknown}: a run did not log it (older run?).")
+    if not not_comparable and not unknown:
+        notes.append(_add_paired_intervals(frame, rows, [run.info.run_id for run in runs]))
+    return RunComparison(_summary(client, runs[0]), _summary(client, runs[1]), params_differ, params_equal, rows,
+                         equal, not_comparable, timing, notes)
+
+
+# ---------------------------------------------------------------- text
+def _number(value: float, sign: str = "", digits: int = 6) -> str:
+    return "-" if np.isnan(value) else f"{value:{sign}.{digits}g}"
+
+
+def _cells(row: MetricRow) -> List[str]:
+    """metric, A, B, B-A, B/A-1, flag. A relative metric is in %, its B-A in percentage points, no B/A-1."""
+    difference = row.b - row.a
+    if RELATIVE.match(row.name):
+        a, b = _delta_cell(row.a, *row.a_interval), _delta_cell(row.b, *row.b_interval)
+        return [row.name, a, b, "-" if np.isnan(difference) else f"{100 * difference:+.2f} pp", "", row.flag]
+    ratio = row.b / row.a - 1 if row.a and not np.isnan(row.a) else np.nan
+    return [row.name, _number(row.a), _number(row.b), _number(difference, "+", 4), _delta_cell(ratio, *row.paired),
+            row.flag]
+
+
+def _aligned(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> List[str]:
+    """The first column left-aligned, the others right-aligned, two spaces apart."""
+    widths = [max(len(str(cells[i])) for cells in [header, *rows]) for i in range(len(header))]
+    line = lambda cells: indent + "  ".join(  # noqa: E731
+        str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return [line(cells).rstrip() for cells in [header, *rows]]
+
+
+def _run_lines(label: str, run: RunSummary) -> List[str]:
+    lines = [f"{label}  {run.run_id}  {run.name}  {run.status}  {run.started}  (experiment {run.experiment})"]
+    return lines + ([f"   ! {run.warning}"] if run.warning else [])
+
+
+def _wrapped(text: str) -> List[str]:
+    return textwrap.wrap(text, WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def render(comparison: RunComparison) -> str:
+    c = comparison
+    lines = _run_lines("A", c.a) + _run_lines("B", c.b)
+    if c.not_comparable:
+        lines += _wrapped(f"NOT COMPARABLE: different text/window length/window count ({c.not_comparable}): "
+                          "the differences of what was measured on the windows mean nothing")
+    if c.timing_differs:
+        lines += _wrapped(f"TIMINGS NOT COMPARABLE: {c.timing_differs}")
+    lines += ["", f"params that differ ({len(c.params_differ)}; {c.params_equal} equal; tracking/cache params "
+                  "ignored):"]
+    lines += _aligned(["param", "A", "B"], c.params_differ) if c.params_differ else ["  (none)"]
+    lines += ["", "metrics:"]
+    lines += _aligned(["metric", "A", "B", "B-A", "B/A-1", ""], [_cells(row) for row in c.metrics])
+    if c.metrics_equal:
+        lines += [f"equal in both: {', '.join(c.metrics_equal)}"]
+    for note in c.notes:
+        lines += [""] + _wrapped(note)
+    return "\n".join(lines)
