@@ -75,6 +75,10 @@ class TinyModelSpec:
     vocab_size: int = 512
     max_position_embeddings: int = 1024
     seed: int = 0
+    # The HF architecture generated (qexp/models/tiny.py): llama, qwen2 (q/k/v bias) or qwen3 (q/k norm), and the
+    # attention head size (null = dim // n_heads). Defaults are left out of the tiny model's cache key.
+    family: str = "llama"
+    head_dim: Optional[int] = None
 
 
 @dataclass

@@ -188,3 +188,32 @@ def test_the_embedded_store_and_the_cache_are_private(tmp_path):
     assert oct((tmp_path / "new.db").stat().st_mode & 0o777) == "0o600"
     Cache(tmp_path / "cache").get_or_build("kind", "key", lambda tmp: None)
     assert oct((tmp_path / "cache").stat().st_mode & 0o777) == "0o700"
+
+
+def test_a_dataset_logged_by_two_jobs_at_once_is_linked_not_failed(store_uri, monkeypatch):
+    """Two jobs logging the same dataset at once: MLflow's store inserts it twice and the second insert fails on
+    its unique constraint (seen with two sweeps on a tracking server). The job must link the existing dataset.
+    The race itself is what test_reliability's concurrent sweeps hit; here MLflow's first answer is replayed."""
+    import mlflow.exceptions
+
+    from qexp.config import TrackingConfig
+    from qexp.tracking.store import Tracker
+
+    real, calls = mlflow.log_input, []
+
+    def racing_log_input(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise mlflow.exceptions.MlflowException("BAD_REQUEST: (sqlite3.IntegrityError) UNIQUE constraint failed: "
+                                                    "datasets.experiment_id, datasets.name, datasets.digest")
+        return real(*args, **kwargs)
+
+    tracker = Tracker(TrackingConfig(uri=store_uri, experiment="datasets_race"))
+    run_id = tracker.start("race", {})
+    monkeypatch.setattr(mlflow, "log_input", racing_log_input)
+    try:
+        Tracker.dataset(np.arange(8).reshape(2, 4), "text:test", "ab" * 32, "/dev/null", "evaluation", {})
+    finally:
+        tracker.finish()
+    run = MlflowClient(store_uri).get_run(run_id)
+    assert len(calls) == 2 and [d.dataset.name for d in run.inputs.dataset_inputs] == ["text:test"]

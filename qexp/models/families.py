@@ -1,9 +1,9 @@
 """Model families: how a source checkpoint of one architecture becomes qexp's model (Meta layout + params).
 
 A family is looked up by the Hugging Face architecture name in a folder's config.json (GGUF files are read into
-such a folder first), so adding one is one `Family` entry here plus a conf/model/<preset>.yaml. Meta checkpoints
-are already in the common layout (family `llama`). An architecture no family serves gets one line naming the
-supported ones.
+such a folder first), so adding one is one `Family` entry (here, or in a module of its own imported at the bottom,
+as qexp/models/qwen.py) plus a conf/model/<preset>.yaml. Meta checkpoints are already in the common layout (family
+`llama`). An architecture no family serves gets one line naming the supported ones.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ class Family:
     hf_architectures: Tuple[str, ...]  # config.json "architectures" values this family converts
     params_from_hf_config: Callable[[dict], dict]  # HF config.json -> Meta params.json content
     state_dict_from_hf: Callable[[StateDict, dict], StateDict]  # HF weights (+ params) -> Meta-layout weights
+    # The converted q/k rows stay in HF's rotate-half order (upstream's transform_weight=False families) instead of
+    # Meta's interleaved order, which the static llama permutes back (qexp/models/static_llama.py).
+    hf_rope_layout: bool = False
 
 
 FAMILIES: Dict[str, Family] = {}
@@ -100,3 +103,6 @@ def llama_state_dict(sd: StateDict, params: dict) -> StateDict:
 
 
 LLAMA = register_family(Family("llama", ("LlamaForCausalLM",), llama_params, llama_state_dict))
+
+
+from qexp.models import qwen  # noqa: E402,F401 - registers qwen2, qwen3

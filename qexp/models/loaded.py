@@ -28,6 +28,9 @@ class LoadedModel:
     max_context: Optional[int] = None  # the context length the model was trained for, when known
     hf_dir: Optional[str] = None  # HF folder of the same weights, when there is one (never for a transformed model)
     transforms: Tuple[str, ...] = ()  # names of the transforms applied, in order
+    # q/k rows in HF's rotate-half order (Qwen families), not Meta's interleaved order: the static llama uses them as
+    # they are instead of permuting them (upstream's transform_weight=False)
+    hf_rope_layout: bool = False
     # Exact weight ranges (absmax, [out, n_blocks]) by Meta key, for weights an algorithm already put on the grid
     # (GPTQ): the quantize stage hands them to QnnQuantizer's weight observers instead of re-observing the weights.
     weight_ranges: Dict[str, torch.Tensor] = field(default_factory=dict)

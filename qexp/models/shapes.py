@@ -17,7 +17,7 @@ def _dims(cfg: ModelConfig) -> Optional[dict]:
     if cfg.source == ModelSource.tiny:
         spec = cfg.tiny
         return {"n_layers": spec.n_layers, "dim": spec.dim, "hidden_dim": spec.hidden_dim, "n_heads": spec.n_heads,
-                "n_kv_heads": spec.n_kv_heads, "vocab_size": spec.vocab_size}
+                "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim, "vocab_size": spec.vocab_size}
     if cfg.source == ModelSource.hf and cfg.path:
         path = os.path.join(os.path.expanduser(cfg.path), "config.json")
         if not os.path.isfile(path):

@@ -132,6 +132,7 @@ def _from_hf_folder(cfg: ModelConfig, hf_dir: str, fingerprint: str, source_path
         add_bos=cfg.add_bos,
         max_context=hf_config.get("max_position_embeddings"),
         hf_dir=hf_dir,
+        hf_rope_layout=family.hf_rope_layout,
     )
 
 

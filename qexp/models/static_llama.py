@@ -76,14 +76,17 @@ class StaticLlama:
 
     def __init__(self, model: LoadedModel, max_context_len: int, r3: bool | None = None, ar_len: int | None = None):
         flags = arch_flags(model.arch)
-        self.transform_weight = flags["transform_weight"]
+        # Upstream's transform_weight says its converter left q/k in Meta's interleaved order, to be permuted to the
+        # rotate-half order the static llama's RoPE uses. In qexp the model family decides that order, so the
+        # permutation follows the weights (llama family, Meta checkpoints: yes; Qwen: no), not the arch.
+        self.transform_weight = not model.hf_rope_layout
         self.r3 = flags["r3"] if r3 is None else bool(r3)
         self.max_context_len = max_context_len
         self.ar_len = ar_len or max_context_len
         self.args = model_args(model, max_context_len, self.ar_len, self.r3)
         module = upstream.LlamaModel(self.args, ar_len=self.ar_len, output_new_cache_only=True, output_cache=True)
         state = model.state_dict
-        if flags["transform_weight"]:
+        if self.transform_weight:
             state = _to_rope_layout(state, self.args.n_layers, self.args.n_heads, self.args.n_kv_heads)
         # strict: a checkpoint that does not fit the params (wrong file pairing) fails here, loudly.
         try:

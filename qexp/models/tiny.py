@@ -1,5 +1,6 @@
-"""The tiny random test model: a seeded HF LlamaForCausalLM and a small BPE tokenizer trained on shipped news text,
-materialised as an HF folder in the cache, so it loads through the same path as a user's HF folder."""
+"""The tiny random test model: a seeded HF causal LM (Llama, or Qwen2 / Qwen3 with `family`) and a small BPE tokenizer
+trained on shipped news text, materialised as an HF folder in the cache, so it loads through the same path as a
+user's HF folder (and its family's converter)."""
 
 from __future__ import annotations
 
@@ -10,47 +11,74 @@ import torch
 
 from qexp.cache import Cache, stable_hash
 from qexp.config import TinyModelSpec
+from qexp.errors import ConfigError
 
 # Bump when the content of a cached tiny model folder changes for the same spec.
 _TINY_CACHE_VERSION = 1
+
+
+# Spec fields added after the first tiny models: left out of the key at these values, so older keys are unchanged.
+_KEY_OMITS_DEFAULTS = {"family": "llama", "head_dim": None}
 
 
 def tiny_key(spec: TinyModelSpec) -> dict:
     from omegaconf import OmegaConf
 
     fields = OmegaConf.to_container(spec) if OmegaConf.is_config(spec) else dict(vars(spec))
+    fields = {k: v for k, v in fields.items() if not (k in _KEY_OMITS_DEFAULTS and v == _KEY_OMITS_DEFAULTS[k])}
     return {**fields, "version": _TINY_CACHE_VERSION}
 
 
+def _hf_model_class(spec: TinyModelSpec):
+    """The transformers model class and config of the tiny model's family (same shape fields; the family's own
+    switches)."""
+    import transformers
+
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.dim,
+        intermediate_size=spec.hidden_dim,
+        num_hidden_layers=spec.n_layers,
+        num_attention_heads=spec.n_heads,
+        num_key_value_heads=spec.n_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if spec.family == "llama":
+        config = transformers.LlamaConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+        return transformers.LlamaForCausalLM, config
+    head_dim = spec.head_dim or spec.dim // spec.n_heads
+    # As the released Qwen2.5-0.5B / Qwen3-0.6B: eps 1e-6, theta 1e6, tied embeddings, no sliding window.
+    qwen = dict(common, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, use_sliding_window=False)
+    if spec.family == "qwen2":
+        if head_dim != spec.dim // spec.n_heads:
+            raise ConfigError("a tiny qwen2 has head_dim = dim // n_heads (Qwen2 has no head_dim setting)")
+        return transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**qwen)
+    if spec.family == "qwen3":
+        return transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**qwen, head_dim=head_dim, attention_bias=False)
+    raise ConfigError(f"model.tiny.family={spec.family!r}: choose llama, qwen2 or qwen3")
+
+
 def tiny_hf_folder(spec: TinyModelSpec, cache: Cache) -> str:
-    """A random Llama (HF LlamaForCausalLM, seeded) and a small byte-level BPE trained on shipped news text."""
+    """A random model of `spec.family` (HF *ForCausalLM, seeded) and a small byte-level BPE trained on shipped news
+    text."""
 
     def build(tmp: Path) -> dict:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
+        model_class, config = _hf_model_class(spec)  # before the tokenizer: a bad family fails at once
         _train_tiny_tokenizer(spec.vocab_size, tmp)
-        config = LlamaConfig(
-            vocab_size=spec.vocab_size,
-            hidden_size=spec.dim,
-            intermediate_size=spec.hidden_dim,
-            num_hidden_layers=spec.n_layers,
-            num_attention_heads=spec.n_heads,
-            num_key_value_heads=spec.n_kv_heads,
-            max_position_embeddings=spec.max_position_embeddings,
-            rms_norm_eps=1e-5,
-            rope_theta=10000.0,
-            tie_word_embeddings=False,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
         torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
         # Larger-than-default init so the random model has peaked, position-dependent predictions: quantization
         # then visibly changes perplexity, which the tests rely on.
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if p.dim() == 2:
                     p.normal_(0.0, 0.08)
+                elif spec.family != "llama" and name.endswith(("_proj.bias", "_norm.weight")):
+                    # q/k/v biases (zero at init) and q/k norm gains (one at init): random, so the tests see
+                    # whether the static graph applies them
+                    p.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
         model.save_pretrained(tmp)
         return {"spec": tiny_key(spec)}
 

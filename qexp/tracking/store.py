@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
@@ -238,7 +239,18 @@ class Tracker:
         with warnings.catch_warnings():  # MLflow warns that a local path source is resolved by its registry
             warnings.simplefilter("ignore")
             data = mlflow.data.from_numpy(features, source=source, name=name, digest=digest[:DIGEST_CHARS])
-        mlflow.log_input(data, context=context, tags={k: redact_text(str(v)) for k, v in tags.items()})
+        tags = {k: redact_text(str(v)) for k, v in tags.items()}
+        for attempt in range(3):
+            try:
+                mlflow.log_input(data, context=context, tags=tags)
+                return
+            except Exception as exc:  # noqa: BLE001 - MlflowException from a server, IntegrityError from sqlite
+                # Two jobs logging the same dataset at once: MLflow's store looks it up, finds none, and both insert
+                # it; the loser fails on the unique (experiment, name, digest) constraint (measured: two sweeps on a
+                # tracking server). Again, the dataset exists and is only linked to the run.
+                if "unique constraint" not in str(exc).lower() or attempt == 2:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
 
     @staticmethod
     def metrics(values: Dict[str, float]) -> None:

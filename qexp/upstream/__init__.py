@@ -4,8 +4,9 @@ Private upstream APIs (underscored names, `_passes`, monkeypatches) are wrapped 
 
 That code lives in `executorch.examples.qualcomm.oss_scripts.llama`, whose package __init__ imports every
 registered model's weight converter. Two of those import `torchtune`, and torchtune 0.6.1 does not import with
-torchao 0.18. qexp never calls those converters, so before importing upstream it registers a named import shim for
-the two torchtune names they reference; calling either raises.
+torchao 0.18. qexp never calls those two converters, so before importing upstream it registers a named import shim
+for the two torchtune names they reference; calling either raises. (Qwen2.5's converter is one of them: qexp reuses
+its name mapping with ExecuTorch's own get_mapped_key, see the bottom of this file.)
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from executorch.backends.qualcomm.quantizer.quant_recipe import QuantGranularity
 from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype  # noqa: E402
 from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset  # noqa: E402
 from executorch.backends.qualcomm.utils.utils import convert_linear_to_conv2d  # noqa: E402
+from executorch.examples.models.checkpoint import get_mapped_key  # noqa: E402
 from executorch.examples.models.llama.model_args import ModelArgs  # noqa: E402
 from executorch.examples.qualcomm.oss_scripts.llama import SUPPORTED_LLM_MODELS  # noqa: E402
 from executorch.examples.qualcomm.oss_scripts.llama.masking_utils import (  # noqa: E402
@@ -78,6 +80,12 @@ from executorch.examples.qualcomm.oss_scripts.llama.masking_utils import (  # no
 )
 from executorch.examples.qualcomm.oss_scripts.llama.model.static_llama import LlamaModel  # noqa: E402
 
+# HF -> Meta weight converters of the model families (qexp/models/qwen.py). Qwen3's function is callable; Qwen2.5's
+# (`qwen_2_5_hf_to_meta`) calls torchtune's get_mapped_key, which the shim above makes raise, so qexp applies its
+# name mapping (a module-level dict, underscored upstream) with ExecuTorch's own get_mapped_key instead.
+from executorch.examples.models.qwen2_5.convert_weights import _QWEN_2_5_FROM_META as QWEN_2_5_FROM_META  # noqa: E402
+from executorch.examples.models.qwen3.convert_weights import qwen_3_tune_to_meta  # noqa: E402
+
 # qexp's own messages go through the "qexp" logger; upstream's modules configure the root logger at INFO on
 # import (llama.py), which we leave alone but do not rely on.
 __all__ = [
@@ -85,6 +93,7 @@ __all__ = [
     "CausalAttentionMask",
     "LlamaModel",
     "ModelArgs",
+    "QWEN_2_5_FROM_META",
     "QcomChipset",
     "QnnQuantizer",
     "QuantDtype",
@@ -93,4 +102,6 @@ __all__ = [
     "SUPPORTED_LLM_MODELS",
     "convert_linear_to_conv2d",
     "custom_annotation",
+    "get_mapped_key",
+    "qwen_3_tune_to_meta",
 ]
