@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import List
 
@@ -23,7 +22,7 @@ import qexp  # noqa: F401 - first: it pins PyTorch's CPU kernels (AVX2), which m
 matplotlib.use("Agg")
 import matplotlib.pyplot  # noqa: E402, F401
 
-from helpers import CONF, TINY, free_port  # noqa: E402
+from helpers import CONF, TINY, free_port, wait_until_healthy  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -86,18 +85,7 @@ def mlflow_server(tmp_path):
         env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # no GenAI job consumers (25 processes)
     )
     uri = f"http://127.0.0.1:{port}"
-    import requests
-
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        try:
-            if requests.get(uri + "/health", timeout=1).ok:
-                break
-        except requests.RequestException:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("mlflow server did not start")
+    wait_until_healthy(uri, proc, "mlflow server")
     yield uri
     proc.terminate()
     proc.wait(timeout=20)

@@ -75,7 +75,7 @@ def test_full_disk_during_a_cache_write(small_disk, store_uri, tmp_path):
 def test_tracking_server_dies_mid_sweep(tmp_path, cache_dir):
     """The server goes away after the first job: the next jobs fail with one line each, the sweep exits non-zero,
     the finished job stays in the store, and once the server is back a re-run does only the missing jobs."""
-    from helpers import free_port
+    from helpers import free_port, wait_until_healthy
 
     port = free_port()
     server_cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
@@ -84,19 +84,11 @@ def test_tracking_server_dies_mid_sweep(tmp_path, cache_dir):
     uri = f"http://127.0.0.1:{port}"
 
     def start_server():
-        import requests
-
         proc = subprocess.Popen(server_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True,  # no GenAI job consumers (25 processes) on 2 cores
                                 env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            try:
-                if requests.get(uri + "/health", timeout=1).ok:
-                    return proc
-            except requests.RequestException:
-                time.sleep(0.5)
-        raise AssertionError("mlflow server did not start")
+        wait_until_healthy(uri, proc, "mlflow server")
+        return proc
 
     server = start_server()
     args = ["-m", *TINY, "quant=fp32,16a8w,8a8w", "tracking.experiment=faults_server",

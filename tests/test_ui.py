@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-import requests
 from mlflow.tracking import MlflowClient
 
-from helpers import REPO, TINY, free_port
+from helpers import REPO, TINY, free_port, wait_until_healthy
 from qexp.pipeline import run_experiment
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -59,16 +58,7 @@ def ui(compose, tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "qexp.ui", "--tracking-uri", store, "--port", str(port)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     first_line = proc.stdout.readline()
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).ok:
-                break
-        except requests.RequestException:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("the MLflow UI did not start")
+    wait_until_healthy(f"http://127.0.0.1:{port}", proc, "the MLflow UI")
     yield store, first_line
     proc.terminate()
     proc.wait(timeout=30)

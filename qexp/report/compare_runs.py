@@ -199,17 +199,23 @@ def _params(frame: pd.DataFrame) -> Tuple[List[Tuple[str, str, str]], int]:
     return differ, len(keys) - len(differ)
 
 
-def _not_comparable(frame: pd.DataFrame) -> Tuple[Optional[str], Optional[str]]:
-    """(what differs among text, window length and window count; what could not be checked), as in table.py."""
-    differ, unknown = [], []
+# Logged only since qexp pinned PyTorch's CPU kernels: an older run without it still pairs on the same windows, noted.
+KEYS_OLDER_RUNS_LACK = ("tags.numerics.cpu_capability",)
+
+
+def _not_comparable(frame: pd.DataFrame) -> Tuple[Optional[str], Optional[str], bool]:
+    """(what differs among text, window length, window count and CPU kernels; what could not be checked; whether
+    what could not be checked rules out pairing the windows), as in table.py."""
+    differ, unknown, blocking = [], [], False
     for key, what in COMPARABILITY.items():
         a, b = (frame.at[i, key] if key in frame and _present(frame.at[i, key]) else None for i in (0, 1))
         if a is None or b is None:
             unknown.append(what)
+            blocking = blocking or key not in KEYS_OLDER_RUNS_LACK
         elif str(a) != str(b):
             short = (lambda v: str(v)[:10]) if key == "tags.text_sha256" else str
             differ.append(f"{what} {short(a)} vs {short(b)}")
-    return ("; ".join(differ) or None), (", ".join(unknown) or None)
+    return ("; ".join(differ) or None), (", ".join(unknown) or None), blocking
 
 
 def _timing_differs(frame: pd.DataFrame) -> Optional[str]:
@@ -291,14 +297,14 @@ def compare_runs(run_a: str, run_b: str, tracking_uri: Optional[str] = None,
     client = _client(tracking_uri)
     runs = [resolve_run(client, ref, experiment) for ref in (run_a, run_b)]
     frame = _frame(*runs)
-    not_comparable, unknown = _not_comparable(frame)
+    not_comparable, unknown, unknown_blocks_pairing = _not_comparable(frame)
     timing = _timing_differs(frame)
     rows, equal = _metric_rows(frame, bool(not_comparable), bool(timing))
     params_differ, params_equal = _params(frame)
     notes = []
     if unknown:
         notes.append(f"Comparability not checked for {unknown}: a run did not log it (older run?).")
-    if not not_comparable and not unknown:
+    if not not_comparable and not unknown_blocks_pairing:
         notes.append(_add_paired_intervals(frame, rows, [run.info.run_id for run in runs]))
     return RunComparison(_summary(client, runs[0]), _summary(client, runs[1]), params_differ, params_equal, rows,
                          equal, not_comparable, timing, notes)
