@@ -33,7 +33,9 @@ from qexp.report.table import EMULATED
 PLOTS = ("ppl_vs_size", "ppl_vs_speed")
 COLLAPSE_FACTOR = 10.0  # > 10x the median perplexity: the configuration broke, its value is not a trade-off
 LOG_SPAN = 20.0  # an axis goes log only when its points span more than this factor
-LABEL_PARTS = ("model", "scheme", "observer", "algorithm", "model_mode", "target")
+# text: the evaluation text, where a mixed report (--allow-mixed) holds several; calibration.text_source: domain shift
+LABEL_PARTS = ("model", "scheme", "observer", "algorithm", "model_mode", "target", "text",
+               "params.calibration.text_source")
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
            "#17becf")
 MARKERS = ("o", "s", "D", "v", "P", "X", "*", "h", "p")  # no "^": it marks collapsed points; 9 vs 10 colours: 90 pairs
