@@ -157,7 +157,7 @@ def run_experiment(cfg: DictConfig, job: Optional["SweepJob"] = None) -> Experim
 
 
 def _tracked_run(cfg: DictConfig, tracker: Tracker, chash: str, job: Optional["SweepJob"]) -> ExperimentResult:
-    with captured_log() as run_log:
+    with captured_log(verbose=bool(cfg.verbose)) as run_log:
         tags = {"config_hash": chash, **environment_tags(), **(job.tags() if job else {})}
         name = cfg.tracking.run_name or _default_run_name(cfg, job)
         run_id = tracker.start(name, tags)

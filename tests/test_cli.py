@@ -60,6 +60,7 @@ def test_native_output_goes_to_the_run_not_the_terminal(cache_dir, store_uri, tm
     assert quiet.returncode == 0, quiet.stderr[-2000:]
     terminal = quiet.stdout + quiet.stderr
     assert "[Qnn ExecuTorch]" not in terminal and "qexp: run " in quiet.stdout
+    assert "Visiting:" not in terminal  # ExecuTorch's per-node QNN preprocess INFO lines go to run.log
     run_id = quiet.stdout.split("qexp: run ")[1].split()[0]
     native = MlflowClient(store_uri).download_artifacts(run_id, "native.log", str(tmp_path))
     assert "[Qnn ExecuTorch]" in open(native).read()

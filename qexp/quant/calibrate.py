@@ -10,6 +10,7 @@ more than the ~20 s the rebuild takes.
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Sequence
@@ -75,10 +76,37 @@ def quantize(
     with torch.no_grad():
         prepared = prepare(static, quant, observer, soc, recompose_hadamard, timer)
         load_observer_statistics(prepared, stats)
-        with timer.stage("convert"):
+        unfed = unfed_observers(prepared)
+        if unfed:
+            log.warning("observers that saw no calibration data (default qparams): %s", ", ".join(unfed))
+        with timer.stage("convert"), warnings.catch_warnings():
+            # torchao warns once per unfed observer; the real ones are named above. The calibration graph's KV-cache
+            # inputs hold zero tokens (its AR length is the whole context), so their observers never see data, and
+            # what they would quantize is empty: those are expected (the deploy graphs take the caches' encodings
+            # from the cache outputs instead).
+            warnings.filterwarnings("ignore", message="must run observer before calling calculate_qparams")
             module = convert_pt2e(prepared)
     forget_prepared_modules()
     return QuantizedModel(module, path / OBSERVERS, key, hit)
+
+
+def unfed_observers(prepared: torch.fx.GraphModule) -> list:
+    """Activation observers of `prepared` that never saw data, except those of empty inputs (the calibration graph's
+    zero-length KV caches)."""
+    names = []
+    for node in prepared.graph.nodes:
+        if node.op != "call_module" or not node.target.startswith("activation_post_process"):
+            continue
+        observer = getattr(prepared, node.target)
+        min_val = getattr(observer, "min_val", None)
+        if not isinstance(min_val, torch.Tensor) or min_val.numel() == 0 or not torch.isinf(min_val).all():
+            continue
+        source = node.args[0] if node.args else None
+        value = getattr(source, "meta", {}).get("val")
+        if isinstance(value, torch.Tensor) and value.numel() == 0:
+            continue
+        names.append(getattr(source, "name", node.target))
+    return names
 
 
 def prepare(static: StaticLlama, quant: QuantConfig, observer: ObserverConfig, soc: str, recompose_hadamard: bool,

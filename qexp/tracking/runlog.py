@@ -12,21 +12,47 @@ import tempfile
 from typing import Iterator
 
 
+# Loggers whose INFO lines are the user's: qexp's own and Hydra's (its launcher lists each job of a multirun).
+_TERMINAL_LOGGERS = ("qexp", "hydra")
+
+
+class LibraryChatterFilter(logging.Filter):
+    """On the terminal's handlers: libraries' records below ERROR (ExecuTorch's QNN preprocess logs one INFO line
+    per graph node, hundreds per compile; deprecation notices at WARNING) are dropped there; they are kept in the
+    run's run.log artifact, which takes every logger. `verbose=true` removes the filter."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        own = record.name.split(".")[0] in _TERMINAL_LOGGERS
+        return own or record.levelno >= logging.ERROR
+
+
 @contextlib.contextmanager
-def captured_log() -> Iterator[io.StringIO]:
-    """Capture the "qexp" logger (INFO and up) into a buffer for the duration of a run."""
+def captured_log(verbose: bool = False) -> Iterator[io.StringIO]:
+    """Capture every logger (INFO and up: qexp's lines and the libraries' chatter) into a buffer for the duration of
+    a run (the run.log artifact), and keep the libraries' chatter off the terminal unless `verbose`."""
     buffer = io.StringIO()
     handler = logging.StreamHandler(buffer)
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
     handler.set_name("qexp-run-log")
-    logger = logging.getLogger("qexp")
-    logger.addHandler(handler)
+    root, logger = logging.getLogger(), logging.getLogger("qexp")
     if logger.level == logging.NOTSET or logger.level > logging.INFO:
         logger.setLevel(logging.INFO)
+    previous_root_level = root.level
+    if root.level == logging.NOTSET or root.level > logging.INFO:
+        root.setLevel(logging.INFO)  # libraries' INFO lines reach run.log even outside Hydra's logging setup
+    terminal = [h for h in root.handlers if isinstance(h, logging.StreamHandler)
+                and getattr(h.stream, "name", None) in ("<stdout>", "<stderr>")]
+    chatter = LibraryChatterFilter()
+    for h in terminal if not verbose else []:
+        h.addFilter(chatter)
+    root.addHandler(handler)
     try:
         yield buffer
     finally:
-        logger.removeHandler(handler)
+        root.removeHandler(handler)
+        root.setLevel(previous_root_level)
+        for h in terminal:
+            h.removeFilter(chatter)
 
 
 @contextlib.contextmanager

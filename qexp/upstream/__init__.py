@@ -78,13 +78,17 @@ from executorch.examples.qualcomm.oss_scripts.llama.masking_utils import (  # no
     AttentionMask,
     CausalAttentionMask,
 )
-from executorch.examples.qualcomm.oss_scripts.llama.model.static_llama import LlamaModel  # noqa: E402
+from executorch.examples.qualcomm.oss_scripts.llama.model.static_llama import (  # noqa: E402
+    LlamaModel,
+    MultiScopeAwareLlamaModel,  # Gemma 2/3: sliding-window layers with their own RoPE table and mask
+)
 
 # HF -> Meta weight converters of the model families (qexp/models/qwen.py). Qwen3's function is callable; Qwen2.5's
 # (`qwen_2_5_hf_to_meta`) calls torchtune's get_mapped_key, which the shim above makes raise, so qexp applies its
 # name mapping (a module-level dict, underscored upstream) with ExecuTorch's own get_mapped_key instead.
 from executorch.examples.models.qwen2_5.convert_weights import _QWEN_2_5_FROM_META as QWEN_2_5_FROM_META  # noqa: E402
 from executorch.examples.models.qwen3.convert_weights import qwen_3_tune_to_meta  # noqa: E402
+from executorch.examples.models.gemma3.convert_weights import gemma3_to_executorch  # noqa: E402
 
 # qexp's own messages go through the "qexp" logger; upstream's modules configure the root logger at INFO on
 # import (llama.py), which we leave alone but do not rely on.
@@ -93,6 +97,7 @@ __all__ = [
     "CausalAttentionMask",
     "LlamaModel",
     "ModelArgs",
+    "MultiScopeAwareLlamaModel",
     "QWEN_2_5_FROM_META",
     "QcomChipset",
     "QnnQuantizer",
@@ -102,6 +107,7 @@ __all__ = [
     "SUPPORTED_LLM_MODELS",
     "convert_linear_to_conv2d",
     "custom_annotation",
+    "gemma3_to_executorch",
     "get_mapped_key",
     "qwen_3_tune_to_meta",
 ]

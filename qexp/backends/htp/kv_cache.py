@@ -59,6 +59,11 @@ class SmartMaskCache:
         row[: self.n_past] = True
         return row
 
+    def slot_positions(self) -> torch.Tensor:
+        """The token position each cache slot holds (meaningful where attended): a token is written at its own
+        position. Sliding-window layers mask by the distance between positions."""
+        return torch.arange(self.cache_len)
+
     def update(self, k_out, v_out, n_new: int, rows: Sequence[int] | None = None) -> None:
         """Append n_new output rows (the first n_new, or `rows`: lookahead's accepted ones) at n_past."""
         start = time.perf_counter()
@@ -109,6 +114,10 @@ class ShiftPointerCache:
         if self.n_past:
             row[self.cache_len - self.n_past : self.cache_len] = True  # the newest n_past slots, at the end
         return row
+
+    def slot_positions(self) -> torch.Tensor:
+        """The newest n_past slots hold positions 0 .. n_past-1, oldest first (see SmartMaskCache)."""
+        return torch.arange(self.cache_len) - (self.cache_len - self.n_past)
 
     def update(self, k_out, v_out, n_new: int, rows: Sequence[int] | None = None) -> None:
         if self.shift + n_new > self.cache_len:

@@ -125,7 +125,7 @@ def _tie_cache_inputs_to_outputs(prepared: torch.fx.GraphModule, n_layers: int) 
         getattr(prepared, observer_node.target).load_state_dict(getattr(prepared, produced.target).state_dict())
 
 
-def io_encodings(converted: torch.fx.GraphModule, n_layers: int) -> dict:
+def io_encodings(converted: torch.fx.GraphModule, n_layers: int, n_masks: int = 1) -> dict:
     """Scale/zero point of the logits output and of every cache input (what the runner quantizes/dequantizes)."""
     placeholders = [n for n in converted.graph.nodes if n.op == "placeholder"]
 
@@ -139,7 +139,8 @@ def io_encodings(converted: torch.fx.GraphModule, n_layers: int) -> dict:
     output = next(n for n in converted.graph.nodes if n.op == "output")
     logits = tree_leaves(output.args[0])[0]
     mask = input_quantize(placeholders[1])
-    return {
+    window = {"window_mask": input_qparams(placeholders[2])} if n_masks == 2 else {}  # Gemma 3's sliding layers
+    return {**window,
         "logits": [float(logits.args[1]), int(logits.args[2])],
         "logits_range": [int(logits.args[3]), int(logits.args[4])],
         "mask": input_qparams(placeholders[1]),
@@ -177,6 +178,7 @@ def compile_pte(
             "kv_bits": io_bits(first["encodings"]["kv_range"]),
             "encodings": {name: g["encodings"] for name, g in graphs.items()}, "delegation": delegation,
             "soc": backend.soc.value, "qnn": sdk.version, "qdq_key": qdq.key,
+            "sliding_window": first["meta"].get("get_sliding_window"),
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
         return {"pte_bytes": len(buffer)}
@@ -203,7 +205,7 @@ def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, sta
             model, context, ar_len, r3, cfg.quant, cfg.observer, stats, cfg.model.recompose_hadamard, backend.soc.value
         )
     meta = static.module.get_metadata()
-    encodings = io_encodings(converted, static.n_layers)
+    encodings = io_encodings(converted, static.n_layers, static.n_masks)
     # The KV caches, logits and mask keep the bit width of their own encodings at the graph's edge. Upstream decides
     # it from the recipe (16-bit I/O unless 8a8w or annotate_kv_8bit), which fits its recipes only: an 8-bit output
     # tagged uint16 gave garbage logits (8a8w: ppl 1e110), and 8a4w's 8-bit caches tagged uint16 top-1 0.09.

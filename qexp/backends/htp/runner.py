@@ -31,16 +31,23 @@ log = logging.getLogger("qexp")
 PADDING_MASK_VALUE = -255.0  # the static llama's float mask: 0 attends, this masks (upstream masking_utils)
 
 
-def mask_values(encodings: dict) -> tuple:
+def mask_values(encodings: dict, name: str = "mask") -> tuple:
     """(attend, masked, dtype) of the quantized mask input: 0.0 and PADDING_MASK_VALUE through its encoding.
     Programs compiled before the encoding recorded its range are 16-bit (65535 / 0)."""
-    scale, zero_point = encodings["mask"]
+    scale, zero_point = encodings[name]
     qmin, qmax = encodings.get("mask_range", (0, 65535))
 
     def quantize(value: float) -> int:
         return int(min(max(round(value / scale) + zero_point, qmin), qmax))
 
     return quantize(0.0), quantize(PADDING_MASK_VALUE), torch.uint8 if qmax <= 255 else torch.uint16
+
+
+def sliding_window_attend(attend: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor,
+                          window: int) -> torch.Tensor:
+    """The sliding-window layers' mask (Gemma 3): of what `attend` [queries, keys] allows, the keys less than `window`
+    positions before the query, as upstream's create_sliding_window_attn_mask and transformers define it."""
+    return attend & (query_positions[:, None] - key_positions[None, :] < window)
 
 
 class HtpRunner:
@@ -51,10 +58,15 @@ class HtpRunner:
         self.context = int(self.meta["context"])
         self.n_layers = int(self.meta["n_layers"])
         kv_meta = self.module.method_meta(KV_GRAPH)
-        k_sizes = kv_meta.input_tensor_meta(3).sizes()  # (1, n_kv, head_dim, cache_len)
+        # Gemma 3's graphs take a second, sliding-window mask after the causal one (MultiScopeAwareLlamaModel).
+        self.sliding_window = self.meta.get("sliding_window")
+        self.n_masks = 2 if self.sliding_window else 1
+        k_sizes = kv_meta.input_tensor_meta(2 + self.n_masks).sizes()  # (1, n_kv, head_dim, cache_len)
         self.n_kv, self.head_dim = int(k_sizes[1]), int(k_sizes[2])
         self.dtype = torch.uint8 if int(self.meta["kv_bits"]) == 8 else torch.uint16
         self.mask_values = {graph: mask_values(enc) for graph, enc in self.meta["encodings"].items()}
+        self.window_mask_values = {graph: mask_values(enc, "window_mask")
+                                   for graph, enc in self.meta["encodings"].items() if "window_mask" in enc}
 
     # ---- helpers
     def ar_len(self, graph: str) -> int:
@@ -76,12 +88,16 @@ class HtpRunner:
         attend = torch.zeros((ar, self.context), dtype=torch.bool)
         attend[:, :cache_len] = cache.attended(self.context)[:cache_len]
         attend[:, cache_len:] = torch.tril(torch.ones(ar, ar, dtype=torch.bool)) if block_mask is None else block_mask
-        attend_value, masked_value, dtype = self.mask_values[graph]
-        mask = torch.where(attend, attend_value, masked_value).to(dtype).reshape(1, 1, ar, self.context)
         if positions is None:
             positions = cache.n_past + torch.arange(ar, dtype=torch.int32)
         positions = torch.as_tensor(positions, dtype=torch.int32).reshape(1, ar)
-        out = self.module.run_method(graph, (padded, mask, positions, *cache.inputs()))
+        masks = [attend]
+        if self.sliding_window:
+            keys = torch.cat([cache.slot_positions(), positions[0].long()])
+            masks.append(sliding_window_attend(attend, keys, positions[0].long(), int(self.sliding_window)))
+        values = [self.mask_values[graph], self.window_mask_values.get(graph)][: len(masks)]
+        masks = [torch.where(m, on, off).to(dt).reshape(1, 1, ar, self.context) for m, (on, off, dt) in zip(masks, values)]
+        out = self.module.run_method(graph, (padded, *masks, positions, *cache.inputs()))
         scale, zero_point = self.meta["encodings"][graph]["logits"]
         logits = (out[0].to(torch.float32).reshape(ar, -1)[:n_valid] - zero_point) * scale
         k_out, v_out = out[1 : 1 + self.n_layers], out[1 + self.n_layers : 1 + 2 * self.n_layers]
