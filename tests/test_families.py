@@ -209,3 +209,27 @@ def test_gemma3_270m_matches_transformers(compose, cache_dir, corpus):
     print(f"gemma3_270m: ppl static {ours['ppl']:.6f} transformers {theirs['ppl']:.6f}")
     assert ours["ppl"] == pytest.approx(theirs["ppl"], rel=1e-3), (ours["ppl"], theirs["ppl"])
     assert 10 < ours["ppl"] < 100  # a sane base model on Wikipedia text (FIELD-NOTES: ~23 on 512-token windows)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["algorithm=[rotation]", "algorithm.rotation.r1=false"],
+    ["algorithm=[awq]", "algorithm.awq.clip=false"],
+    ["quant=8a8w", "algorithm=[smoothquant]"],
+])
+def test_function_preserving_transforms_on_gemma(overrides, compose):
+    """R2, AWQ's scales and SmoothQuant fold into a Gemma model's weights (its (1 + w) gains already folded) and keep
+    its function: the transformed float model scores the FP perplexity to 1e-4."""
+    from qexp.pipeline import run_experiment
+
+    m = run_experiment(compose(tiny("gemma3") + ["quant=16a4w", *overrides])).metrics
+    assert m["ppl_fp_transformed"] == pytest.approx(m["ppl_fp"], rel=1e-4), m
+
+
+def test_rotation_r1_refused_on_gemma(compose):
+    """R1 is not function-preserving with post-norms: refused at validation, one line."""
+    from qexp.errors import ConfigError
+    from qexp.pipeline import validate
+
+    with pytest.raises(ConfigError, match="post-attention / post-FFN norms") as info:
+        validate(compose(tiny("gemma3") + ["algorithm=[rotation]"]))
+    assert "\n" not in str(info.value)

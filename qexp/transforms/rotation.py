@@ -37,8 +37,17 @@ class Rotation(ModelTransform):
     def validate(self, cfg) -> None:
         if not (self.config.r1 or self.config.r2):
             raise ConfigError("algorithm.rotation with r1=false and r2=false does nothing", "enable r1 or r2")
+        if self.config.r1 and _has_post_norms(cfg.model):
+            raise ConfigError(
+                f"algorithm.rotation r1 cannot rotate {cfg.model.name}: Gemma's post-attention / post-FFN norms "
+                "normalise what the layers write into the residual stream, so R1 would change the model's function",
+                "use algorithm.rotation.r1=false (R2 alone preserves it), or another algorithm",
+            )
 
     def apply(self, model, context):
+        if self.config.r1 and model.params.get("post_attention_norm"):  # a model whose config did not say so
+            raise ConfigError(f"algorithm.rotation r1 cannot rotate {model.name}: it has post-attention norms",
+                              "use algorithm.rotation.r1=false (R2 alone preserves its function)")
         from qexp import upstream
         from qexp.models.static_llama import model_args
         from qexp.upstream.private import spinquant_rotate
@@ -50,3 +59,8 @@ class Rotation(ModelTransform):
         spinquant_rotate(module, r1=self.config.r1, r2=self.config.r2, seed=self.config.seed)
         state = {k: v.detach().clone() for k, v in module.state_dict().items() if k in model.state_dict}
         return dataclasses.replace(model, state_dict=state)
+
+
+def _has_post_norms(model_cfg) -> bool:
+    """Gemma models (their upstream archs, or the tiny Gemma) normalise attention / MLP outputs before the residual."""
+    return str(model_cfg.arch).startswith("gemma") or (model_cfg.source == "tiny" and model_cfg.tiny.family == "gemma3")
