@@ -74,3 +74,20 @@ def test_cpu_kernels_are_pinned_and_recorded(tmp_path):
     assert pinned.data.tags["numerics.mkl_cbwr"] == "AVX2"
     # the same cache directory: the second run must not reuse the first's FP evaluation or calibrated program
     assert other.data.tags["fp_eval_cache_hit"] == "false" and other.data.tags["qdq_cache_hit"] == "false"
+
+
+def test_a_warm_rerun_reuses_what_its_change_does_not_touch(compose, store_uri):
+    """Changing only the deployed phase's speed bench settings reuses the compiled program; changing only the
+    evaluation windows reuses the calibrated QDQ program (and the compiled one). Each stage says so in its tag."""
+    base = TINY + ["quant=16a8w", "backend=htp", "backend.model_mode=kv", "backend.eval_tokens=32",
+                   "backend.bench.prompt_len=8", "backend.bench.new_tokens=4", "backend.bench.repeats=1",
+                   "backend.bench.warmup=0"]
+    runs = {
+        "cold": run_experiment(compose(base + ["tracking.force=true"])),
+        "bench changed": run_experiment(compose(base + ["backend.bench.new_tokens=6", "backend.bench.repeats=2"])),
+        "windows changed": run_experiment(compose(base + ["eval.limit=3"])),
+    }
+    tags = {label: MlflowClient(store_uri).get_run(r.run_id).data.tags for label, r in runs.items()}
+    assert tags["bench changed"]["pte_cache_hit"] == "true" and tags["bench changed"]["qdq_cache_hit"] == "true"
+    assert tags["windows changed"]["qdq_cache_hit"] == "true" and tags["windows changed"]["pte_cache_hit"] == "true"
+    assert runs["bench changed"].metrics["ppl_deployed"] == runs["cold"].metrics["ppl_deployed"]
