@@ -32,6 +32,12 @@ def load(state) -> None:
                 f"eval.seq_len={cfg.eval.seq_len} is larger than the model's context ({model.max_context} tokens)",
                 "lower eval.seq_len",
             )
+        rows = model.state_dict["tok_embeddings.weight"].shape[0]
+        if model.tokenizer.vocab_size > rows:  # fewer is normal (padded tables, e.g. Qwen); more indexes past it
+            raise InputError(
+                f"the tokenizer has {model.tokenizer.vocab_size} tokens but the model's embedding has {rows} rows",
+                "the tokenizer and the weights do not belong together: pass the model's own tokenizer",
+            )
         check_block_sizes(cfg.quant, {k: tuple(v.shape) for k, v in model.state_dict.items()})
         state.model = model
         state.fp_static = StaticLlama(model, cfg.export.max_context_len, r3=cfg.model.r3)
