@@ -166,6 +166,7 @@ def qdq(state) -> None:
     from qexp.models.static_llama import window_logits
     from qexp.quant.calibrate import quantize
     from qexp.quant.encodings import encodings_table, summarize_encodings, weights_megabytes
+    from qexp.quant.fold import with_weights_dequantized
     from qexp.transforms import build_transforms, calibration_algorithms
 
     if not state.quantized:
@@ -183,8 +184,10 @@ def qdq(state) -> None:
     if cfg.algorithm:  # every algorithm of the run in config order (the transform stage tags only model transforms)
         state.tags["algorithm"] = ",".join(cfg.algorithm.keys())
     with state.timer.stage("eval_qdq"):
-        result = evaluate(lambda ids: window_logits(program.module, static, ids), state.windows, "QDQ",
+        folded = with_weights_dequantized(program.module)  # bit-identical, without dequantizing weights every window
+        result = evaluate(lambda ids: window_logits(folded, static, ids), state.windows, "QDQ",
                           keep_logits=SQNR_WINDOWS)
+        del folded
     state.qdq = QdqPhase(program, result, static)
     metrics = state.metrics
     metrics.update({**phase_metrics(result, "qdq"), **compare(result, state.fp, "qdq", "fp")})
