@@ -32,12 +32,6 @@ def load(state) -> None:
                 f"eval.seq_len={cfg.eval.seq_len} is larger than the model's context ({model.max_context} tokens)",
                 "lower eval.seq_len",
             )
-        rows = model.state_dict["tok_embeddings.weight"].shape[0]
-        if model.tokenizer.vocab_size > rows:  # fewer is normal (padded tables, e.g. Qwen); more indexes past it
-            raise InputError(
-                f"the tokenizer has {model.tokenizer.vocab_size} tokens but the model's embedding has {rows} rows",
-                "the tokenizer and the weights do not belong together: pass the model's own tokenizer",
-            )
         check_block_sizes(cfg.quant, {k: tuple(v.shape) for k, v in model.state_dict.items()})
         state.model = model
         state.fp_static = StaticLlama(model, cfg.export.max_context_len, r3=cfg.model.r3)
@@ -45,6 +39,19 @@ def load(state) -> None:
                        "r3": str(state.fp_static.r3)})
     state.metrics["model_params"] = model.n_params
     state.metrics["weights_mb"] = weights_megabytes(state.fp_static.module)  # fp32; the QDQ phase replaces it
+
+
+def _check_token_ids(ids, model) -> None:
+    """Token ids the tokenizer produced must index the model's embedding. A tokenizer's length may exceed the table
+    (unused added special tokens, as transformers' Qwen2 tokenizer adds); an id that does is a tokenizer that does not
+    belong to the weights."""
+    rows = model.state_dict["tok_embeddings.weight"].shape[0]
+    largest = int(ids.max()) if ids.size else -1
+    if largest >= rows:
+        raise InputError(
+            f"the tokenizer produced token id {largest} but the model's embedding has {rows} rows",
+            "the tokenizer and the weights do not belong together: pass the model's own tokenizer",
+        )
 
 
 def text(state) -> None:
@@ -55,6 +62,7 @@ def text(state) -> None:
     with state.timer.stage("text"):
         corpus = load_corpus(cfg.text, state.cache)
         windows = make_windows(corpus.joined("test"), model.tokenizer, cfg.eval.seq_len, cfg.eval.limit, model.add_bos)
+        _check_token_ids(windows.ids, model)
     state.corpus, state.windows = corpus, windows
     state.tags.update({
         "text_source": corpus.source,
