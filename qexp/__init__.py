@@ -15,8 +15,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # is pinned the same way (MKL_CBWR; measured no change on this AMD host, meant for Intel hosts with AVX512). Both are
 # read at PyTorch's first operation, so they are set at import; set ATEN_CPU_CAPABILITY yourself (e.g. avx512) for
 # ~25% faster CPU evaluation at the cost of numbers that differ from other hosts'. Runs tag what they used
-# (numerics.cpu_capability) and the report refuses to mix them.
+# (numerics.cpu_capability) and the report refuses to mix them. STRICT: on an Intel Xeon host MKL's sgemm gave
+# different last bits with 1 and 2 threads (tiny wide model, 16a4w: ppl_qdq 2217.659 vs 2217.640) under MKL_CBWR=AVX2;
+# MKL's strict conditional-numerical-reproducibility mode makes them bit-identical (tests/test_reproducibility.py).
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-os.environ.setdefault("MKL_CBWR", "AVX2")
+os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")
 
 __version__ = "0.1.0"

@@ -24,6 +24,14 @@ class ModelSource(enum.Enum):
     hf = "hf"  # a local Hugging Face folder
 
 
+class BlockScaleRounding(enum.Enum):
+    """How per-block (LPBQ) weight scales become HTP's 4-bit block scales (qexp/quant/lpbq.py)."""
+
+    nearest = "nearest"  # as ExecuTorch's lowering rounds them
+    up = "up"  # never below the block's absmax scale: no weight clipped
+    float = "float"  # not modelled: the QDQ program keeps float block scales HTP does not run
+
+
 class Granularity(enum.Enum):
     per_tensor = "per_tensor"
     per_channel = "per_channel"
@@ -120,6 +128,8 @@ class QuantConfig:
     # Weights of conv layers (static llama turns every linear into a 1x1 conv): per-channel/block/tensor.
     weight_granularity: Granularity = Granularity.per_channel
     block_size: int = 32  # input channels per block when weight_granularity=per_block
+    # How per-block (LPBQ) weight scales are stored, as HTP does (qexp/quant/lpbq.py): nearest | up | float.
+    block_scale_rounding: BlockScaleRounding = BlockScaleRounding.nearest
     act_symmetric: bool = False
     # Functions from executorch.backends.qualcomm.quantizer.custom_annotation, by name.
     custom_annotations: List[str] = field(default_factory=list)

@@ -22,7 +22,7 @@ log = logging.getLogger("qexp")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Bump when a change makes cached QDQ programs of the same inputs differ.
-QDQ_CACHE_VERSION = 2
+QDQ_CACHE_VERSION = 3
 
 
 def config_hash(cfg: DictConfig) -> str:

@@ -221,8 +221,10 @@ def test_expensive_transforms_are_cached_by_model_settings_calibration_and_grid(
 
 
 def test_awq_run_logs_the_transformed_float_model_and_beats_rtn_on_logits(compose):
-    rtn = run_experiment(compose(TINY + ["quant=16a4w_block", "quant.block_size=16"])).metrics
-    result = run_experiment(compose(TINY + ["quant=16a4w_block", "quant.block_size=16", "algorithm=[awq]"]))
+    # per channel: the tiny random model has no outlier channels, and at block 16 with LPBQ scales AWQ's gain on it
+    # is within noise (+-0.5 dB either way); per channel it is +0.8 dB. SmolLM2's gains are in results/algorithms.md.
+    rtn = run_experiment(compose(TINY + ["quant=16a4w"])).metrics
+    result = run_experiment(compose(TINY + ["quant=16a4w", "algorithm=[awq]"]))
     m = result.metrics
     assert "ppl_fp_transformed" in m and result.tags["algorithm"] == "awq"
     assert m["logits_sqnr_db_qdq_vs_fp"] > rtn["logits_sqnr_db_qdq_vs_fp"]

@@ -71,7 +71,7 @@ def test_cpu_kernels_are_pinned_and_recorded(tmp_path):
     other = _qexp_run(tmp_path, {"ATEN_CPU_CAPABILITY": "default"}, store)
     assert pinned.data.tags["numerics.cpu_capability"] == "AVX2"
     assert other.data.tags["numerics.cpu_capability"] == "DEFAULT"
-    assert pinned.data.tags["numerics.mkl_cbwr"] == "AVX2"
+    assert pinned.data.tags["numerics.mkl_cbwr"] == "AVX2,STRICT"
     # the same cache directory: the second run must not reuse the first's FP evaluation or calibrated program
     assert other.data.tags["fp_eval_cache_hit"] == "false" and other.data.tags["qdq_cache_hit"] == "false"
 

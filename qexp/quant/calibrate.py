@@ -22,6 +22,7 @@ from qexp.cache import Cache
 from qexp.config import ObserverConfig, QuantConfig
 from qexp.data.calibration import CalibrationSet
 from qexp.models.static_llama import StaticLlama
+from qexp.quant.lpbq import quantize_observer_scales
 from qexp.quant.recipe import make_quantizer
 from qexp.timing import StageTimer
 from qexp.upstream.private import forget_prepared_modules
@@ -65,6 +66,10 @@ def quantize(
                             with timer.stage(f"calibrate_{algorithm.name}"):
                                 algorithm.calibrate(prepared, static, calibration)
             set_weight_ranges(prepared, static.weight_ranges)
+            # block scales as HTP stores them (LPBQ): in the statistics, so the QDQ program and deploy graphs agree
+            n = quantize_observer_scales(weight_observers(prepared).values(), quant.block_scale_rounding)
+            if n:
+                log.info("LPBQ block scales (%s rounding) in %d weight observers", quant.block_scale_rounding.value, n)
             torch.save(observer_statistics(prepared), tmp / OBSERVERS)
         return {"samples": len(calibration.samples), "tokens": calibration.n_tokens}
 

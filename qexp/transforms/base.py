@@ -112,6 +112,7 @@ class GridSearchTransform(ModelTransform):
         """What in the quant config decides the weight grids."""
         q = cfg.quant
         return {"scheme": q.scheme, "weight_granularity": str(q.weight_granularity), "block_size": q.block_size,
+                "block_scale_rounding": str(q.block_scale_rounding),
                 "overrides": [(o.pattern, o.scheme, str(o.granularity), o.block_size) for o in q.overrides]}
 
 

@@ -2,7 +2,8 @@
 
 QnnQuantizer quantizes every linear (a 1x1 conv in the static llama) symmetrically: per output channel, or per block
 of `block_size` input channels (LPBQ), with ints in [-(2^(b-1) - 1), 2^(b-1) - 1] and scale = absmax / qmax
-(its PerChannel/PerBlockParamObserver; 4-bit is [-7, 7], not [-8, 7]). Per-layer overrides (the 8-bit lm head of the
+(its PerChannel/PerBlockParamObserver; 4-bit is [-7, 7], not [-8, 7]). Per-block scales are then stored
+as HTP's LPBQ encoding does (4-bit multiples of a per-channel unit, qexp/quant/lpbq.py), and searched that way. Per-layer overrides (the 8-bit lm head of the
 shipped recipes) apply as in qexp/quant/recipe.py: the first matching override pattern wins.
 
 Also here: the names that tie the Meta-layout state dict (what transforms edit) to the static llama's modules (what
@@ -17,7 +18,8 @@ from typing import List, Optional
 
 import torch
 
-from qexp.config import NO_QUANT, Granularity
+from qexp.config import NO_QUANT, BlockScaleRounding, Granularity
+from qexp.quant.lpbq import quantize_block_scales
 
 SCALE_EPS = torch.finfo(torch.float32).eps  # the observers' eps (DEFAULT_EPS_FP32)
 
@@ -51,13 +53,17 @@ def weight_bits(scheme: str) -> int:
 class WeightGrid:
     bits: int
     block_size: Optional[int] = None  # None: one scale per output channel
+    # per-block scales as HTP stores them (LPBQ, qexp/quant/lpbq.py); per-channel scales are exact on HTP
+    block_scale_rounding: BlockScaleRounding = BlockScaleRounding.nearest
 
     @property
     def qmax(self) -> int:
         return 2 ** (self.bits - 1) - 1
 
     def describe(self) -> str:
-        return f"int{self.bits} sym " + (f"block {self.block_size}" if self.block_size else "per channel")
+        if not self.block_size:
+            return f"int{self.bits} sym per channel"
+        return f"int{self.bits} sym block {self.block_size} (LPBQ scales: {self.block_scale_rounding.value})"
 
     def _groups(self, w: torch.Tensor) -> torch.Tensor:
         out, cols = w.shape
@@ -68,7 +74,8 @@ class WeightGrid:
 
     def scales(self, w: torch.Tensor) -> torch.Tensor:
         """Scale per (output channel, block): [out, n_blocks] (n_blocks = 1 per channel)."""
-        return (self._groups(w).abs().amax(-1) / self.qmax).clamp(min=SCALE_EPS)
+        scales = (self._groups(w).abs().amax(-1) / self.qmax).clamp(min=SCALE_EPS)
+        return quantize_block_scales(scales, self.block_scale_rounding) if self.block_size else scales
 
     def expand(self, scales: torch.Tensor, cols: int) -> torch.Tensor:
         """[out, n_blocks] scales -> [out, cols], one per weight."""
@@ -89,6 +96,11 @@ def grid_for(quant_cfg, meta_key: str) -> Optional[WeightGrid]:
     for override in quant_cfg.overrides:
         if re.search(f"(?=.*conv$)(?:{override.pattern})", path):
             block = override.block_size if override.granularity == Granularity.per_block else None
-            return WeightGrid(weight_bits(override.scheme), block)
+            return WeightGrid(weight_bits(override.scheme), block, _rounding(quant_cfg))
     block = quant_cfg.block_size if quant_cfg.weight_granularity == Granularity.per_block else None
-    return WeightGrid(weight_bits(quant_cfg.scheme), block)
+    return WeightGrid(weight_bits(quant_cfg.scheme), block, _rounding(quant_cfg))
+
+
+def _rounding(quant_cfg) -> BlockScaleRounding:
+    value = getattr(quant_cfg, "block_scale_rounding", BlockScaleRounding.nearest)
+    return value if isinstance(value, BlockScaleRounding) else BlockScaleRounding(value)

@@ -5,10 +5,14 @@ phase (the phase the pipeline runs)."""
 
 from __future__ import annotations
 
+import logging
+
 from qexp.backends.base import Backend, PhaseInputs, PhaseResult
 from qexp.backends.htp.config import HtpConfig, ModelMode
 from qexp.backends.registry import register_backend
 from qexp.errors import ConfigError
+
+log = logging.getLogger("qexp")
 
 
 @register_backend
@@ -74,10 +78,13 @@ HTP_LPBQ_BLOCK_SIZES = (32,)
 
 
 def _check_lpbq_block_sizes(quant) -> None:
-    from qexp.config import Granularity
+    from qexp.config import BlockScaleRounding, Granularity
 
     sizes = {quant.block_size} if quant.weight_granularity == Granularity.per_block else set()
     sizes |= {o.block_size for o in quant.overrides if o.granularity == Granularity.per_block}
+    if sizes and quant.block_scale_rounding == BlockScaleRounding.float:
+        log.warning("quant.block_scale_rounding=float: HTP's lowering re-quantizes the block scales to 4-bit steps "
+                    "(qexp/quant/lpbq.py), so the HTP phase will not run what the QDQ phase scored")
     bad = sorted(sizes - set(HTP_LPBQ_BLOCK_SIZES))
     if bad:
         raise ConfigError(
