@@ -71,4 +71,4 @@ def test_awq_through_qdq_on_smollm2(compose, store_uri):
     m = result.metrics
     assert abs(m["ppl_fp_transformed_vs_fp"]) < 1e-4, m["ppl_fp_transformed_vs_fp"]
     assert m["ppl_fp"] < m["ppl_qdq"] < m["ppl_fp"] * 2
-    assert result.tags["algorithm"] == "awq" and result.tags["weight_grid"] == "int4 sym block 64"
+    assert result.tags["algorithm"] == "awq" and result.tags["weight_grid"] == "int4 sym block 64 (LPBQ scales: nearest)"
