@@ -5,7 +5,11 @@ a single linear layer (as the 1x1 conv the static llama runs) with QnnQuantizer 
 weights), lowers it to HTP, runs it on the x86 HTP emulator and prints the SQNR of HTP vs QDQ and of both vs fp32.
 This is where the 16a4w HTP-vs-QDQ perplexity gap on SmolLM2 comes from (see README, "Measured here"), and the
 regression check of its fix: `16a4w_lpbq` is the same 16a4w QDQ program lowered with qexp's default
-backend.w4_lowering=lpbq (measured: 67.0 dB per-channel -> 85.6 dB, as 16a8w's 86.0 dB).
+backend.w4_lowering=lpbq (measured: 67.0 dB per-channel -> 85.6 dB, as 16a8w's 86.0 dB); `16a4w_block` is qexp's
+block recipe (quant.block_size, LPBQ block scales as quant.block_scale_rounding says).
+Each scheme is also computed by the QDQ program with HTP's integer arithmetic (eval.htp_exact,
+qexp/quant/htp_arithmetic.py): "HTP vs htp_exact" and the share of bit-exact outputs say how well that model predicts
+the emulator.
 
     .venv/bin/python benchmarks/diag_htp_weight_bits.py [--weight layers.0.feed_forward.w1.weight] [overrides ...]
 """
@@ -38,6 +42,13 @@ def _channel_bias(error: torch.Tensor) -> float:
     return (per_channel_mean.pow(2).sum() * error.shape[0] / error.pow(2).sum().clamp_min(1e-30)).item()
 
 
+def _output_scale(qdq: torch.fx.GraphModule) -> float:
+    """The scale of the layer's output encoding (the program's last activation quantize)."""
+    quantizes = [n for n in qdq.graph.nodes if n.op == "call_function"
+                 and str(n.target).startswith("quantized_decomposed.quantize_per_tensor")]
+    return float(quantizes[-1].args[1])
+
+
 class _OneLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -50,6 +61,7 @@ class _OneLinear(torch.nn.Module):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weight", default="layers.0.feed_forward.w1.weight")
+    parser.add_argument("--block-size", type=int, default=32, help="16a4w_block's block size")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
@@ -76,6 +88,15 @@ def main() -> None:
     from qexp.upstream.private import load_program, lower_4bit_per_channel_as_lpbq
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
+    from qexp.quant.calibrate import weight_observers
+    from qexp.quant.fold import with_weights_dequantized
+    from qexp.quant.lpbq import quantize_observer_scales
+    from qexp.quant.recipe import make_quantizer
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        block_cfg = compose(config_name="config", overrides=[
+            "+experiment=16a4w_wikitext", *args.overrides, "quant=16a4w_block", f"quant.block_size={args.block_size}"])
+
     weight = load_model(cfg.model, cache).state_dict[args.weight].float()
     generator = torch.Generator().manual_seed(0)
     weights = {"model": weight, "gaussian": torch.randn(weight.shape, generator=generator) * weight.std()}
@@ -88,29 +109,39 @@ def main() -> None:
         for source, w in weights.items():
             # 16a4w_lpbq: the same 16a4w QDQ program, its per-channel 4-bit weights lowered as LPBQ with one block
             # per row (qexp's default HTP lowering, backend.w4_lowering=lpbq)
-            for scheme in ("16a8w", "16a4w", "16a4w_lpbq"):
+            for scheme in ("16a8w", "16a4w", "16a4w_lpbq", "16a4w_block"):
                 linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).eval()
                 linear.weight.data = w.clone()
                 # as the static llama runs it: a 1x1 conv (HTP's Conv2d kernels; LPBQ lowers convolutions only)
                 layer = upstream.convert_linear_to_conv2d(_OneLinear(linear)).eval()
-                quantizer = QnnQuantizer(soc_model=soc)
-                quantizer.set_default_quant_config(getattr(QuantDtype, f"use_{scheme.removesuffix('_lpbq')}"),
-                                                   is_linear_per_channel=True, is_conv_per_channel=True)
+                if scheme == "16a4w_block":
+                    quantizer = make_quantizer(block_cfg.quant, block_cfg.observer, cfg.backend.soc.value)
+                else:
+                    quantizer = QnnQuantizer(soc_model=soc)
+                    quantizer.set_default_quant_config(getattr(QuantDtype, f"use_{scheme.removesuffix('_lpbq')}"),
+                                                       is_linear_per_channel=True, is_conv_per_channel=True)
                 prepared = prepare_pt2e(torch.export.export(layer, x, strict=False).module(), quantizer)
                 for batch in calibration + [x[0]]:
                     prepared(batch)
+                if scheme == "16a4w_block":
+                    quantize_observer_scales(weight_observers(prepared).values(), block_cfg.quant.block_scale_rounding)
                 qdq = convert_pt2e(prepared)
+                exact = with_weights_dequantized(qdq, "per_channel" if scheme == "16a4w" else "lpbq")
                 with lower_4bit_per_channel_as_lpbq() if scheme.endswith("_lpbq") else contextlib.nullcontext():
                     edge = to_edge_transform_and_lower_to_qnn(qdq, x, generate_qnn_executorch_compiler_spec(
                         soc_model=soc, backend_options=generate_htp_compiler_spec(use_fp16=False)))
                 pte = Path(tmp) / f"{source}_{scheme}.pte"
                 pte.write_bytes(edge.to_executorch().buffer)
                 with torch.no_grad():
-                    fp, reference = layer(*x), qdq(*x)
+                    fp, reference, modelled = layer(*x), qdq(*x), exact(*x)
                 htp = load_program(str(pte)).forward(x)[0]
                 error = htp - reference
                 row = {"htp_vs_qdq_db": sqnr_db(htp, reference), "qdq_vs_fp_db": sqnr_db(reference, fp),
-                       "htp_vs_fp_db": sqnr_db(htp, fp),
+                       "htp_vs_fp_db": sqnr_db(htp, fp), "htp_vs_htp_exact_db": sqnr_db(htp, modelled),
+                       # in the output's 16-bit steps: the two sides dequantize it with different float roundings
+                       "htp_exact_bit_exact_share": (torch.round((htp - modelled) / _output_scale(qdq)) == 0)
+                       .double().mean().item(),
+                       "htp_exact_layers": exact.htp_counts.modelled,
                        # a systematic error (mean far from 0 relative to its spread) compounds over layers; noise does not
                        "htp_error_mean_over_rms": (error.mean() / error.pow(2).mean().sqrt().clamp_min(1e-30)).item(),
                        "htp_error_channel_offset_share": _channel_bias(error)}
@@ -118,7 +149,9 @@ def main() -> None:
                 print(f"  {source:8s} {scheme:10s}: HTP vs QDQ {row['htp_vs_qdq_db']:6.1f} dB | QDQ vs fp32 "
                       f"{row['qdq_vs_fp_db']:5.1f} dB | HTP vs fp32 {row['htp_vs_fp_db']:5.1f} dB | HTP error: "
                       f"mean/rms {row['htp_error_mean_over_rms']:+.3f}, "
-                      f"per-channel offset share {row['htp_error_channel_offset_share']:.3f}", flush=True)
+                      f"per-channel offset share {row['htp_error_channel_offset_share']:.3f} | HTP vs htp_exact "
+                      f"{row['htp_vs_htp_exact_db']:6.1f} dB, {100 * row['htp_exact_bit_exact_share']:5.1f}% "
+                      f"of outputs identical", flush=True)
     with benchmark_run(resolve_uri(cfg.tracking), f"diag_htp_weight_bits-{cfg.model.name}", "diag_htp_weight_bits",
                        {"target": "x86_emulator", "weight": args.weight}):
         mlflow.log_metrics(results)

@@ -181,6 +181,10 @@ class EvalConfig:
     # number of windows, or "all": every whole window of the test half of the text (~1,100 of 256 tokens in the
     # gensim excerpt; what resolving a 1% difference takes, see the README)
     limit: Any = 8
+    # The QDQ phase with HTP's integer arithmetic for 16-bit-activation layers (qexp/quant/htp_arithmetic.py: the
+    # accumulator's low 8 bits dropped, LPBQ block scales as encoded), so its perplexity predicts HTP's. Changes no
+    # quantization statistic; runs are tagged qdq_arithmetic=htp_exact and never paired with fake-quant ones.
+    htp_exact: bool = False
 
 
 @dataclass

@@ -191,8 +191,15 @@ def qdq(state) -> None:
     state.tags.update({"qdq_cache_key": key, "qdq_cache_hit": str(program.cache_hit).lower(), **grid_tags(cfg)})
     if cfg.algorithm:  # every algorithm of the run in config order (the transform stage tags only model transforms)
         state.tags["algorithm"] = ",".join(cfg.algorithm.keys())
+    lowering = htp_exact_lowering(cfg)
+    state.tags["qdq_arithmetic"] = "fake_quant" if lowering is None else "htp_exact"
     with state.timer.stage("eval_qdq"):
-        folded = with_weights_dequantized(program.module)  # bit-identical, without dequantizing weights every window
+        # bit-identical, without dequantizing weights every window (plus HTP's integer arithmetic with eval.htp_exact)
+        folded = with_weights_dequantized(program.module, lowering)
+        if lowering is not None:
+            log.info("QDQ arithmetic htp_exact (4-bit per-channel lowering %s): %s", lowering,
+                     folded.htp_counts.describe())
+            state.metrics["htp_exact_layers"] = folded.htp_counts.modelled
         result = evaluate(lambda ids: window_logits(folded, static, ids), state.windows, "QDQ",
                           keep_logits=SQNR_WINDOWS)
         del folded
@@ -208,6 +215,16 @@ def qdq(state) -> None:
     metrics["weights_mb"] = weights_megabytes(static.module, table)
     state.log_text(table.to_csv(index=False), "quant/encodings.csv")
     state.log_text(summarize_encodings(table), "quant/summary.txt")
+
+
+def htp_exact_lowering(cfg):
+    """None for the fake-quant QDQ phase; with eval.htp_exact, how HTP would get per-channel 4-bit weights (the run's
+    HTP backend setting, else the HTP default)."""
+    if not cfg.eval.get("htp_exact", False):
+        return None
+    from qexp.backends.htp.config import HtpConfig
+
+    return str(getattr(cfg.backend, "w4_lowering", HtpConfig.w4_lowering.value)).split(".")[-1]
 
 
 def deploy(state) -> None:

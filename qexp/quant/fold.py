@@ -16,7 +16,7 @@ import torch
 _FOLDABLE = ("dequantize_per_channel", "dequantize_per_tensor", "dequantize_affine")
 
 
-def _constant(module: torch.fx.GraphModule, arg):
+def constant_value(module: torch.fx.GraphModule, arg):
     if isinstance(arg, torch.fx.Node):
         if arg.op != "get_attr":
             raise ValueError("not a constant")
@@ -25,13 +25,14 @@ def _constant(module: torch.fx.GraphModule, arg):
             value = getattr(value, part)
         return value
     if isinstance(arg, (list, tuple)):
-        return type(arg)(_constant(module, a) for a in arg)
+        return type(arg)(constant_value(module, a) for a in arg)
     return arg
 
 
-def with_weights_dequantized(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def with_weights_dequantized(module: torch.fx.GraphModule, htp_exact_w4_lowering: str | None = None):
     """A copy of `module` (its own graph; the tensors shared, not copied) with its weights' dequantize ops folded.
-    The graph is copied node by node with shallow metadata: `copy.deepcopy` of a SmolLM2 program's graph (3,400
+    With `htp_exact_w4_lowering` set, its 16-bit-activation layers first get HTP's integer arithmetic
+    (qexp.quant.htp_arithmetic, eval.htp_exact) for that 4-bit lowering. The graph is copied node by node with shallow metadata: `copy.deepcopy` of a SmolLM2 program's graph (3,400
     nodes whose metadata hold fake tensors) took minutes."""
     import copy
 
@@ -40,6 +41,10 @@ def with_weights_dequantized(module: torch.fx.GraphModule) -> torch.fx.GraphModu
     output = graph.graph_copy(module.graph, {})
     graph.output(output)
     folded = torch.fx.GraphModule(module, graph)
+    if htp_exact_w4_lowering is not None:
+        from qexp.quant.htp_arithmetic import model_htp_arithmetic
+
+        folded.htp_counts = model_htp_arithmetic(folded, htp_exact_w4_lowering)
     fold_weight_dequantize(folded)
     return folded
 
@@ -54,8 +59,8 @@ def fold_weight_dequantize(module: torch.fx.GraphModule) -> int:
         if node.op != "call_function" or not any(name in str(node.target) for name in _FOLDABLE):
             continue
         try:
-            args = _constant(module, node.args)
-            kwargs = {k: _constant(module, v) for k, v in node.kwargs.items()}
+            args = constant_value(module, node.args)
+            kwargs = {k: constant_value(module, v) for k, v in node.kwargs.items()}
         except ValueError:
             continue  # an activation's dequantize: depends on the input
         value = node.target(*args, **kwargs)

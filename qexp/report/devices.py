@@ -50,11 +50,14 @@ def device_table(runs: pd.DataFrame) -> pd.DataFrame:
     scheme = column(runs, "tags.scheme").fillna(column(runs, "params.quant.scheme"))
     config = _config(runs)
     deployable = column(runs, "tags.deployable").fillna("-")
+    # eval.htp_exact runs computed their QDQ phase with HTP's integer arithmetic: a different CPU row
+    cpu = np.where(column(runs, "tags.qdq_arithmetic").fillna("fake_quant") == "htp_exact", "CPU (QDQ, HTP arithmetic)",
+                   "CPU (QDQ)")
     rows = []
     for i in range(len(runs)):
         if scheme.iloc[i] == "fp32" or pd.isna(num("metrics.ppl_qdq").iloc[i]):
             continue
-        rows.append([model.iloc[i], scheme.iloc[i], config.iloc[i], "CPU (QDQ)", num("metrics.ppl_qdq_sub").iloc[i],
+        rows.append([model.iloc[i], scheme.iloc[i], config.iloc[i], cpu[i], num("metrics.ppl_qdq_sub").iloc[i],
                      num("metrics.ppl_qdq").iloc[i], num("metrics.ppl_qdq_vs_fp").iloc[i], deployable.iloc[i]])
         if pd.notna(num("metrics.ppl_deployed").iloc[i]):
             target = column(runs, "tags.target").iloc[i]

@@ -76,6 +76,8 @@ def _derived(runs: pd.DataFrame) -> pd.DataFrame:
     runs["algorithm"] = column(runs, "tags.algorithm").fillna(_algorithms_from_params(runs)).fillna("RTN").replace(
         "", "RTN")
     runs["kv_mode"] = column(runs, "params.backend.kv_update").fillna("-")  # logged only by backends that have one
+    # fake_quant (float, what the QDQ program computes) or htp_exact (eval.htp_exact: HTP's integer arithmetic)
+    runs["qdq_arithmetic"] = column(runs, "tags.qdq_arithmetic").fillna("fake_quant")
     target = column(runs, "tags.target")
     runs["target"] = target.where(target.notna(), "pytorch")
     runs["pte_mb"] = num("metrics.pte_bytes") / 1e6

@@ -1,0 +1,108 @@
+"""eval.htp_exact (qexp/quant/htp_arithmetic.py): HTP's integer arithmetic for 16-bit-activation layers, checked
+against an int64 reference of its definition, against the fake-quant program it replaces, and end to end.
+Whether it matches the HTP emulator is measured by benchmarks/diag_htp_weight_bits.py (slow, x86 HTP emulator)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import TINY
+from qexp.models.static_llama import window_logits
+from qexp.pipeline import prepare
+from qexp.quant.fold import with_weights_dequantized
+from qexp.quant.htp_arithmetic import htp_accumulate, htp_conv1x1, htp_integer_weights
+from qexp.quant.lpbq import quantize_block_scales
+from qexp.config import BlockScaleRounding
+
+
+def _int64_reference(x_q, zp, w):
+    """The definition in integers: floor(sum w (x_q - 32768) / 256) * 256 + round((32768 - zp) sum w / 256) * 256."""
+    acc = (x_q.long() - 32768) @ w.long().T
+    truncated = torch.div(acc, 256, rounding_mode="floor") * 256
+    correction = torch.round((32768 - zp) * w.long().sum(dim=1).double() / 256).long() * 256
+    return truncated + correction
+
+
+@pytest.mark.parametrize("channels, w_max", [(64, 7), (1536, 127), (4096, 112)])
+def test_accumulator_is_exact_and_floors(channels, w_max):
+    generator = torch.Generator().manual_seed(channels)
+    x_q = torch.randint(0, 65536, (5, channels), generator=generator)
+    w = torch.randint(-w_max, w_max + 1, (48, channels), generator=generator)
+    got = htp_accumulate(x_q, 29932, w.double())
+    assert torch.equal(got.long(), _int64_reference(x_q, 29932, w))
+    # the floor is a bias: against the exact accumulator, the error is in (-256, 0], never positive
+    exact = (x_q.long() - 32768) @ w.long().T
+    dropped = torch.div(exact, 256, rounding_mode="floor") * 256 - exact
+    assert bool((dropped <= 0).all()) and bool((dropped > -256).all()) and bool((dropped < 0).any())
+
+
+def test_block_weights_are_the_lpbq_encoding():
+    """unit * w equals the dequantized weight when the block scales are LPBQ-representable (block_scale_rounding
+    nearest), and w is what ExecuTorch encodes: w_q times the 4-bit step of the block."""
+    generator = torch.Generator().manual_seed(0)
+    scales = quantize_block_scales(torch.rand(8, 4, generator=generator) + 0.05, BlockScaleRounding.nearest)
+    w_q = torch.randint(-7, 8, (8, 128), generator=generator)
+    w, unit = htp_integer_weights(w_q, scales, "block", lpbq_per_channel=False)
+    dequantized = w_q.double() * scales.double().repeat_interleave(32, dim=1)
+    assert torch.allclose(w * unit[:, None], dequantized, rtol=1e-6, atol=0)
+    assert torch.equal(w, w.round()) and w.abs().max() <= 7 * 16
+    steps = (w / w_q.double().where(w_q != 0, torch.ones(1, dtype=torch.double)))[w_q != 0]
+    assert steps.min() >= 1 and steps.max() <= 16
+
+
+def test_per_channel_4bit_lpbq_lowering_is_16_steps_finer():
+    w_q = torch.tensor([[3, -7], [1, 2]])
+    scale = torch.tensor([0.5, 0.25])
+    w, unit = htp_integer_weights(w_q, scale, "per_channel", lpbq_per_channel=True)
+    assert torch.equal(w, 16 * w_q.double()) and torch.equal(unit, scale.double() / 16)
+    w, unit = htp_integer_weights(w_q, scale, "per_channel", lpbq_per_channel=False)
+    assert torch.equal(w, w_q.double()) and torch.equal(unit, scale.double())
+
+
+def test_conv1x1_equals_the_fake_quant_layer_up_to_the_dropped_bits():
+    """Without the truncation the integer layer is the fake-quant layer; with it, each output is lower by less than
+    one accumulator unit (256 * s_x * unit) plus half a unit of the rounded correction."""
+    generator = torch.Generator().manual_seed(1)
+    x_q = torch.randint(0, 65536, (1, 96, 1, 7), generator=generator)
+    w_q = torch.randint(-127, 128, (16, 96, 1, 1), generator=generator)
+    scale, x_scale, zp = torch.rand(16, generator=generator) * 1e-2, 1e-4, 29932
+    w, unit = htp_integer_weights(w_q, scale, "per_channel", lpbq_per_channel=False)
+    got = htp_conv1x1(x_q, x_scale, zp, w, unit).double()
+    fake = torch.nn.functional.conv2d(x_scale * (x_q.double() - zp), w_q.double() * scale.double()[:, None, None, None])
+    step = (256 * x_scale * unit.double())[None, :, None, None]
+    assert bool(((fake - got) > -0.5 * step - 1e-9).all()) and bool(((fake - got) < 1.5 * step + 1e-9).all())
+    assert (fake - got).mean() > 0  # the floor's bias
+
+
+@pytest.mark.parametrize("quant, modelled", [("16a4w_block", True), ("16a8w", True), ("8a8w", False)])
+def test_program_pass_models_16bit_layers_only(quant, modelled, compose):
+    state = prepare(compose(TINY + [f"quant={quant}"]), "qdq")
+    program, static = state.qdq.program.module, state.qdq.static
+    fake = with_weights_dequantized(program)
+    exact = with_weights_dequantized(program, "lpbq")
+    convs = sum(1 for n in program.graph.nodes if n.op == "call_function" and "conv2d" in str(n.target))
+    ids = state.windows.ids[0].tolist()
+    a, b = window_logits(fake, static, ids), window_logits(exact, static, ids)
+    if not modelled:  # 8-bit activations: no measured model of HTP's kernel, the fake-quant arithmetic stays
+        assert exact.htp_counts.modelled == 0 and torch.equal(a, b)
+        return
+    assert exact.htp_counts.modelled == convs > 0 and exact.htp_counts.kept == 0
+    assert not torch.equal(a, b)
+    sqnr = 10 * torch.log10(a.pow(2).sum() / (a - b).pow(2).sum())
+    assert sqnr > 20  # the same quantized model, computed a little differently
+    integer = [n for n in program.graph.nodes if n.op == "get_attr"
+               and getattr(program, n.target).dtype in (torch.int8, torch.int16, torch.int32)]
+    assert integer  # the program is untouched: the pass works on the evaluation copy
+
+
+def test_htp_exact_run_is_tagged_and_not_paired_with_fake_quant(compose):
+    from qexp.report.paired import IDENTITY
+
+    fake = prepare(compose(TINY + ["quant=16a4w"]), "qdq")
+    exact = prepare(compose(TINY + ["quant=16a4w", "eval.htp_exact=true"]), "qdq")
+    assert fake.tags["qdq_arithmetic"] == "fake_quant" and exact.tags["qdq_arithmetic"] == "htp_exact"
+    assert exact.metrics["htp_exact_layers"] > 0 and "htp_exact_layers" not in fake.metrics
+    assert exact.metrics["ppl_qdq"] != fake.metrics["ppl_qdq"]
+    assert exact.tags["qdq_cache_key"] == fake.tags["qdq_cache_key"]  # same quantization, only the arithmetic differs
+    assert "qdq_arithmetic" in IDENTITY
