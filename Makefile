@@ -12,7 +12,7 @@ run: setup
 
 test: setup
 	@bash scripts/setup_test_system.sh
-	$(VENV_PY) -m pytest tests
+	$(VENV_PY) -m pytest --durations=25 tests
 
 test-fast: setup
 	$(VENV_PY) -m pytest -m "not slow" tests

@@ -32,6 +32,14 @@ class BlockScaleRounding(enum.Enum):
     float = "float"  # not modelled: the QDQ program keeps float block scales HTP does not run
 
 
+class WeightRange(enum.Enum):
+    """The integer range of 4-bit weights (research ablation; qexp/quant/recipe.py)."""
+
+    narrow = "narrow"  # [-7, 7], scale = absmax / 7: QnnQuantizer's 4-bit weights, what HTP runs
+    full = "full"  # [-8, 7], scale = absmax / 7.5 (torchao's symmetric scale): all 16 levels, as llama.cpp's Q4_0
+    # uses them; QDQ only (not verified on HTP)
+
+
 class Granularity(enum.Enum):
     per_tensor = "per_tensor"
     per_channel = "per_channel"
@@ -130,6 +138,8 @@ class QuantConfig:
     block_size: int = 32  # input channels per block when weight_granularity=per_block
     # How per-block (LPBQ) weight scales are stored, as HTP does (qexp/quant/lpbq.py): nearest | up | float.
     block_scale_rounding: BlockScaleRounding = BlockScaleRounding.nearest
+    # 4-bit weights' integer range: narrow ([-7, 7], QNN's) or full ([-8, 7], an ablation towards Q4_0; QDQ only)
+    weight_range: WeightRange = WeightRange.narrow
     act_symmetric: bool = False
     # Functions from executorch.backends.qualcomm.quantizer.custom_annotation, by name.
     custom_annotations: List[str] = field(default_factory=list)

@@ -115,6 +115,13 @@ def validate(cfg: DictConfig) -> Backend:
     if cfg.quant.scheme in QDQ_ONLY_SCHEMES and backend.deploys:
         raise ConfigError(f"quant={cfg.quant.scheme} is a QDQ-only research scheme: backend={cfg.backend.name} has no "
                           "3-bit weights (HTP runs 4, 8 and 16-bit weights)", "use backend=none, or a 4-bit scheme")
+    if str(cfg.quant.get("weight_range", "narrow")).endswith("full"):
+        if backend.deploys:
+            raise ConfigError(f"quant.weight_range=full is a QDQ-only ablation: backend={cfg.backend.name} is not "
+                              "verified with [-8, 7] 4-bit weights", "use backend=none, or weight_range=narrow")
+        if cfg.algorithm:
+            raise ConfigError("quant.weight_range=full with an algorithm: the algorithms search the [-7, 7] grid",
+                              "use algorithm=[] (round to nearest), or weight_range=narrow")
     transforms = validate_transforms(cfg)
     needs_calibration = cfg.quant.scheme != NO_QUANT or any(t.needs_calibration for t in transforms)
     if needs_calibration and cfg.calibration.limit < 1:

@@ -25,12 +25,33 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 QDQ_CACHE_VERSION = 3
 
 
+# Settings added after runs and cache entries existed: at their default value they are left out of config hashes
+# and cache keys, so earlier runs still match (a sweep skips them) and earlier cache entries stay valid.
+LATER_DEFAULTS = {("quant", "weight_range"): "narrow", ("eval", "htp_exact"): False}
+
+
+def without_later_defaults(container: dict, prefix: tuple = ()) -> dict:
+    """A copy of `container` (the config subtree at `prefix`) without the LATER_DEFAULTS settings at their default."""
+    import copy
+
+    out = copy.deepcopy(container)
+    for path, default in LATER_DEFAULTS.items():
+        if path[: len(prefix)] != prefix:
+            continue
+        node = out
+        for part in path[len(prefix):-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and path[-1] in node and node[path[-1]] == default:
+            del node[path[-1]]
+    return out
+
+
 def config_hash(cfg: DictConfig) -> str:
     """Hash of everything that determines a run's results (not where it is tracked or cached)."""
     container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     for volatile in ("tracking", "cache_dir", "cache", "verbose"):
         container.pop(volatile, None)
-    return stable_hash(container, length=16)
+    return stable_hash(without_later_defaults(container), length=16)
 
 
 @functools.lru_cache(maxsize=1)
@@ -137,7 +158,7 @@ def qdq_cache_key(cfg: DictConfig, model, static, calibration, soc: str, algorit
         "r3": static.r3,
         "recompose_hadamard": cfg.model.recompose_hadamard,
         "context": cfg.export.max_context_len,
-        "quant": OmegaConf.to_container(cfg.quant, resolve=True, enum_to_str=True),
+        "quant": without_later_defaults(OmegaConf.to_container(cfg.quant, resolve=True, enum_to_str=True), ("quant",)),
         "observer": OmegaConf.to_container(cfg.observer, resolve=True, enum_to_str=True),
         "calibration": calibration.sha256,
         "soc": soc,

@@ -279,7 +279,10 @@ def grid_tags(cfg) -> dict:
     from qexp.config import QDQ_ONLY_SCHEMES
     from qexp.transforms.grid import grid_for
 
-    return {"weight_grid": grid_for(cfg.quant, "layers.0.attention.wq.weight").describe(),
+    weight_grid = grid_for(cfg.quant, "layers.0.attention.wq.weight").describe()
+    if str(cfg.quant.get("weight_range", "narrow")).endswith("full") and weight_grid.startswith("int4"):
+        weight_grid = weight_grid.replace("int4 sym", "int4 sym [-8, 7]")  # the quant.weight_range=full ablation
+    return {"weight_grid": weight_grid,
             "lm_head_grid": grid_for(cfg.quant, "output.weight").describe(),
             "deployable": str(cfg.quant.scheme not in QDQ_ONLY_SCHEMES).lower()}
 

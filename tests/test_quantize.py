@@ -127,3 +127,23 @@ def test_converted_program_is_cached(setup, compose, tmp_path):
     assert sum("min_val" in o["state"] for o in observers.values()) > 50
     ids = windows.ids[0]
     assert torch.equal(window_logits(first.module, static, ids), window_logits(second.module, static, ids))
+
+
+@pytest.mark.parametrize("scheme", ["16a4w", "16a4w_block"])
+def test_full_4bit_weight_range(setup, compose, tmp_path, scheme):
+    """quant.weight_range=full (the Q4_0 ablation): the decoder's 4-bit weights use [-8, 7] with scale absmax / 7.5,
+    so -8 occurs; the 8-bit lm head keeps its range."""
+    result, _, _ = _quantize(setup, compose, tmp_path, [f"quant={scheme}", "quant.weight_range=full"])
+    module = result.module
+    ranges, low_used = [], 0
+    for node in module.graph.nodes:
+        if node.op != "call_function" or not ("dequantize_per_channel" in str(node.target)
+                                              or "dequantize_affine" in str(node.target)):
+            continue
+        qmin, qmax = node.args[4:6] if "per_channel" in str(node.target) else node.args[5:7]
+        ranges.append((qmin, qmax))
+        if (qmin, qmax) == (-8, 7):
+            low_used += int((getattr(module, node.args[0].target) == -8).any())
+    assert ranges.count((-8, 7)) == 14 and (-7, 7) not in ranges, ranges  # q, k, v, o, w1, w2, w3 x 2 layers
+    assert any(qmax == 127 for _, qmax in ranges)  # the lm head (16a8w override) keeps 8 bits
+    assert low_used == 14  # each layer has a weight at -8 (its row's most negative absmax lands there)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from qexp import upstream
-from qexp.config import NO_QUANT, QDQ_ONLY_SCHEMES, SCHEMES, Granularity, ObserverConfig, ObserverKind, QuantConfig
+from qexp.config import (NO_QUANT, QDQ_ONLY_SCHEMES, SCHEMES, Granularity, ObserverConfig, ObserverKind, QuantConfig,
+                         WeightRange)
 from qexp.errors import ConfigError
 from qexp.upstream.private import quantizer_keeping_hadamard_matmul
 
@@ -142,18 +143,21 @@ def make_quantizer(quant: QuantConfig, observer: ObserverConfig, soc: str, recom
     quantizer_cls = (upstream.QnnQuantizer if recompose_hadamard
                      else quantizer_keeping_hadamard_matmul(upstream.QnnQuantizer))
     if quant.scheme in QDQ_ONLY_SCHEMES:
-        quantizer_cls = _with_3bit_weights(quantizer_cls)
+        quantizer_cls = _with_4bit_weights_as(quantizer_cls, -3, 3)
+    elif WeightRange(quant.get("weight_range", "narrow")) == WeightRange.full:
+        quantizer_cls = _with_4bit_weights_as(quantizer_cls, -8, 7)
     quantizer = quantizer_cls(soc_model=getattr(upstream.QcomChipset, soc))
     quantizer.set_recipe(build_recipe(quant, observer))
     return quantizer
 
 
-def _with_3bit_weights(quantizer_cls):
-    """The recipe's 4-bit conv weights ([-7, 7]) annotated as 3-bit ([-3, 3], scale = absmax / 3) instead; 8-bit
-    overrides (the lm head) keep theirs. The observers read quant_min / quant_max from the annotation."""
+def _with_4bit_weights_as(quantizer_cls, quant_min: int, quant_max: int):
+    """The recipe's 4-bit conv weights ([-7, 7]) annotated with another integer range instead: [-3, 3] for the 3-bit
+    research schemes (scale = absmax / 3), [-8, 7] for quant.weight_range=full (absmax / 7.5); 8-bit overrides (the
+    lm head) keep theirs. The observers read quant_min / quant_max from the annotation."""
     import dataclasses
 
-    class QnnQuantizer3BitWeights(quantizer_cls):
+    class QnnQuantizerWeightRange(quantizer_cls):
         def annotate(self, model):
             model = super().annotate(model)
             for node in model.graph.nodes:
@@ -163,16 +167,21 @@ def _with_3bit_weights(quantizer_cls):
                 weight = node.args[1]
                 spec = annotation.input_qspec_map.get(weight)
                 if spec is not None and getattr(spec, "quant_min", None) == -7 and spec.quant_max == 7:
-                    annotation.input_qspec_map[weight] = dataclasses.replace(spec, quant_min=-3, quant_max=3)
+                    annotation.input_qspec_map[weight] = dataclasses.replace(spec, quant_min=quant_min,
+                                                                             quant_max=quant_max)
             return model
 
-    return QnnQuantizer3BitWeights
+    return QnnQuantizerWeightRange
 
 
 def validate_recipe(quant: QuantConfig, observer: ObserverConfig) -> None:
     """Check a recipe before a run starts (unknown schemes, annotations, bad observer values)."""
     if quant.scheme == NO_QUANT:
         return
+    full_range = WeightRange(quant.get("weight_range", "narrow")) == WeightRange.full
+    if full_range and (quant.scheme in QDQ_ONLY_SCHEMES or "a4w" not in quant.scheme):
+        raise ConfigError(f"quant.weight_range=full with quant={quant.scheme}: the full [-8, 7] range is for 4-bit "
+                          "weights", "use a 4-bit scheme (16a4w, 16a4w_block, 8a4w), or weight_range=narrow")
     build_recipe(quant, observer)
 
 
