@@ -129,3 +129,31 @@ def test_awq_clip_searches_lpbq_steps_and_the_observer_keeps_the_chosen_step(rou
     shrunk = raw(clipped) < raw(w) - 1e-9
     ratio = (raw(clipped) / unit)[shrunk]
     assert shrunk.any() and torch.allclose(ratio, ratio.round(), atol=1e-4)
+
+
+def test_calibration_algorithms_search_against_lpbq_block_scales(compose):
+    """A calibration-time algorithm (SeqMSE) runs after the first sample's forward: by then each per-block weight
+    observer already holds the LPBQ scales HTP will run, so a scale search judges those, not the float ones."""
+    from qexp.quant.calibrate import quantize, weight_observers
+    from qexp.quant.lpbq import is_block_observer
+    from qexp.cache import Cache
+
+    seen = []
+
+    class Probe:
+        name = "probe"
+
+        def calibrate(self, prepared, static, calibration):
+            for observer in weight_observers(prepared).values():
+                if is_block_observer(observer):
+                    scale, _ = observer.calculate_qparams()
+                    seen.append(scale.reshape(scale.shape[0], -1).clone())
+
+    state = prepare(compose(TINY + ["quant=16a4w_block", "quant.block_size=16"]), through="calibration")
+    cfg = state.cfg
+    quantize(state.fp_static, cfg.quant, cfg.observer, state.calibration, Cache(cfg.cache_dir), "probe-lpbq",
+             "SM8650", algorithms=[Probe()])
+    assert len(seen) == 14  # q, k, v, o, w1, w2, w3 x 2 layers
+    for scales in seen:
+        unit, steps = lowering_encoding(scales)
+        assert torch.allclose(scales, steps * unit.unsqueeze(-1), rtol=1e-5, atol=0)

@@ -61,7 +61,11 @@ def quantize(
             with timer.stage("calibrate"):
                 for i, sample in enumerate(tqdm(calibration.samples, desc="calibrate", unit="sample", leave=False)):
                     prepared(*static.inputs(sample))
-                    if i == 0:
+                    if i == 0 and algorithms:
+                        # the weights are observed on the first forward: their block scales become the LPBQ ones
+                        # now, so a scale search (SeqMSE) judges the scales HTP runs (re-rounding after it is the
+                        # identity: it scales a whole weight by one factor, which leaves each block's step alone)
+                        quantize_observer_scales(weight_observers(prepared).values(), quant.block_scale_rounding)
                         for algorithm in algorithms:
                             with timer.stage(f"calibrate_{algorithm.name}"):
                                 algorithm.calibrate(prepared, static, calibration)

@@ -29,6 +29,7 @@ class SeqMseConfig(TransformConfig):
 class SeqMse(CalibrationAlgorithm):
     name = "seq_mse"
     config_class = SeqMseConfig
+    version = 2  # 2: searches against the LPBQ block scales (quant.block_scale_rounding), not the float ones
 
     def validate(self, cfg) -> None:
         from qexp.config import Granularity
