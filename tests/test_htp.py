@@ -91,6 +91,31 @@ def test_compile_is_cached(deployed, tiny_model, cache_dir):
     assert again.cache_hit and again.pte_path == program.pte_path
 
 
+def test_parallel_lowering_and_speed_ups_leave_the_program_unchanged(deployed, tiny_model, tmp_path, monkeypatch):
+    """The default lowering (each graph in its own process, its own QNN context; torch's node provenance shared
+    instead of deep-copied) computes what upstream's one-process lowering with torch's own provenance code computes.
+    QNN's context binary is not byte-reproducible (two compiles of the same graph differ in ~0.6% of the tiny .pte's
+    bytes), so: the same metadata and bit-identical emulator outputs of both graphs."""
+    import contextlib
+
+    import qexp.backends.htp.lower as lower
+
+    cfg, static, qdq, program, runner, windows = deployed
+    assert cfg.backend.compile_workers == 2 and program.meta["lowering"]["contexts"] == "per_graph"
+    monkeypatch.setattr(lower, "provenance_without_deep_copies", contextlib.nullcontext)
+    cfg = cfg.copy()
+    cfg.backend.compile_workers = 1  # upstream's one-process lowering: one QNN context for both graphs
+    plain = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
+    assert not plain.cache_hit and plain.meta["lowering"]["contexts"] == "shared"
+    assert abs(plain.pte_bytes - program.pte_bytes) < 0.02 * program.pte_bytes, (plain.pte_bytes, program.pte_bytes)
+    assert {k: v for k, v in plain.meta.items() if k != "lowering"} == \
+        {k: v for k, v in program.meta.items() if k != "lowering"}
+    other = HtpRunner(plain)
+    ids = windows.ids[0][:20]
+    assert torch.equal(other.prefill_logits(ids), runner.prefill_logits(ids))
+    assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
+
+
 def test_missing_qnn_libraries(monkeypatch, tmp_path):
     import qexp.backends.htp.qnn_sdk as sdk
 

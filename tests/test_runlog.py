@@ -29,7 +29,11 @@ def terminal():
 
 @pytest.mark.parametrize("verbose", [False, True])
 def test_library_chatter_goes_to_run_log_not_terminal(terminal, verbose):
-    with captured_log(verbose=verbose) as run_log:
+    import warnings
+
+    with captured_log(verbose=verbose) as run_log, warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning)  # torch, on unpickling
         logging.getLogger("executorch.backends.qualcomm.qnn_preprocess").info("Visiting: aten_conv")
         logging.getLogger("executorch.exir.pass_manager").warning("PassManager is deprecated")
         logging.getLogger("executorch.backends").error("a real library error")
@@ -37,11 +41,12 @@ def test_library_chatter_goes_to_run_log_not_terminal(terminal, verbose):
         logging.getLogger("hydra.launcher").info("#0 : quant=16a4w")
     logged, shown = run_log.getvalue(), terminal.getvalue()
     for line in ("Visiting: aten_conv", "PassManager is deprecated", "a real library error", "stage compile",
-                 "#0 : quant=16a4w"):
+                 "#0 : quant=16a4w", "LeafSpec"):
         assert line in logged
     for line in ("a real library error", "stage compile", "#0 : quant=16a4w"):
         assert line in shown
     assert ("Visiting: aten_conv" in shown) == verbose and ("PassManager is deprecated" in shown) == verbose
+    assert ("LeafSpec" in shown) == verbose
     # the filter is gone after the run
     logging.getLogger("executorch.x").warning("after the run")
     assert "after the run" in terminal.getvalue()

@@ -46,9 +46,14 @@ def captured_log(verbose: bool = False) -> Iterator[io.StringIO]:
     for h in terminal if not verbose else []:
         h.addFilter(chatter)
     root.addHandler(handler)
+    # Python warnings (libraries' FutureWarnings and deprecation notices, e.g. torch's pytree warning on every
+    # unpickled graph) become records of the `py.warnings` logger: in run.log, off the terminal unless `verbose`.
+    # qexp's own warnings are log records of its logger and stay on the terminal.
+    logging.captureWarnings(True)
     try:
         yield buffer
     finally:
+        logging.captureWarnings(False)
         root.removeHandler(handler)
         root.setLevel(previous_root_level)
         for h in terminal:

@@ -21,6 +21,46 @@ def tree_leaves(tree):
     return torch.utils._pytree.tree_leaves(tree)
 
 
+def _node_source_init_sharing_history(self, node, pass_name: str = "", action=None) -> None:
+    """torch.fx.traceback.NodeSource.__init__ without its deep copy of the node's provenance list.
+
+    Every pass that rewrites a node under `set_current_meta` records a NodeSource whose `from_node` was a
+    `copy.deepcopy` of the whole chain of earlier NodeSources. The chain grows with every pass, so each record copied
+    more: 59 s of SmolLM2's 419 s HTP lowering (export, run_decompositions and ExecuTorch's edge passes) went to those
+    copies. NodeSources are records that nothing mutates after construction (torch's own code only builds new ones
+    or new lists), so sharing the earlier records gives the same provenance; this keeps a fresh outer list."""
+    from torch.fx.traceback import NodeSource, NodeSourceAction
+
+    self.pass_name = pass_name
+    action = [] if action is None else (action if isinstance(action, list) else [action])
+    for a in action:
+        if not isinstance(a, NodeSourceAction):
+            raise AssertionError(f"Expected NodeSourceAction, got {type(a)}")
+    self.action = action
+    if node:
+        self.node_info = NodeSource.NodeInfo(name=node.name, target=str(node.target), graph_id=id(node.graph))
+        self.from_node = list(node.meta["from_node"]) if "from_node" in node.meta else []
+    else:
+        self.node_info = None
+        self.from_node = []
+    self._action_string = None
+    self._dict = None
+
+
+@contextlib.contextmanager
+def provenance_without_deep_copies():
+    """While active, torch's node provenance records share their history instead of deep-copying it (see above).
+    The lowered program is byte-identical (tests/test_htp.py compares a .pte lowered with and without it)."""
+    from torch.fx.traceback import NodeSource
+
+    original = NodeSource.__init__
+    NodeSource.__init__ = _node_source_init_sharing_history
+    try:
+        yield
+    finally:
+        NodeSource.__init__ = original
+
+
 # ---------------------------------------------------------------- torchao
 def forget_prepared_modules() -> None:
     """torchao 0.18's `prepare_pt2e` looks up a module's device through `torchao.utils._assert_and_get_unique_device`,

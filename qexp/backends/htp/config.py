@@ -51,6 +51,9 @@ class HtpConfig(BackendConfig):
     max_seq_len: int = 256  # context of the deployed graphs; must equal export.max_context_len (the calibration)
     kv_update: KvUpdate = KvUpdate.smart_mask
     w4_lowering: W4Lowering = W4Lowering.lpbq
+    # graphs lowered at once, each in its own process (hybrid/lookahead have two; QNN lowering is single-threaded
+    # Python work): 1 = upstream's one-process lowering, one QNN context shared by the graphs
+    compile_workers: int = 2
     target: Target = Target.x86_emulator
     pte_path: Optional[str] = None  # run this pre-generated .pte instead of compiling
     # On-target perplexity is scored on a head of the evaluation windows: this many tokens through the AR-N prefill

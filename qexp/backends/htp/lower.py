@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict
@@ -42,6 +43,7 @@ from qexp.upstream.private import (
     executorch_backend_config,
     forget_prepared_modules,
     lower_4bit_per_channel_as_lpbq,
+    provenance_without_deep_copies,
     quant_io_passes,
     tree_leaves,
 )
@@ -63,6 +65,12 @@ def graph_ar_lens(backend) -> Dict[str, int]:
         return {KV_GRAPH: 1, PREFILL_GRAPH: int(backend.prefill_ar_len)}
     width = (backend.window + backend.gcap) * (backend.ngram - 1)
     return {KV_GRAPH: 2 ** math.ceil(math.log2(max(width, 1))), PREFILL_GRAPH: int(backend.prefill_ar_len)}
+
+
+def compile_workers(backend, n_graphs: int) -> int:
+    """Processes that lower the graphs at once: backend.compile_workers, at most one per graph and per CPU core."""
+    wanted = int(getattr(backend, "compile_workers", 1))
+    return max(1, min(wanted, n_graphs, os.cpu_count() or 1))
 
 
 def io_bits(qrange) -> int:
@@ -160,18 +168,25 @@ def compile_pte(
     backend = cfg.backend
     context = int(backend.max_seq_len)
     ar_lens = graph_ar_lens(backend)
+    workers = compile_workers(backend, len(ar_lens))
     key = stable_hash({
         "version": _LOWER_CACHE_VERSION, "qdq": qdq.key, "soc": backend.soc.value, "ar_lens": ar_lens,
         "context": context, "w4_lowering": backend.w4_lowering.value, "qnn": sdk.version, "versions": versions,
+        # a QNN context per graph (parallel lowering) or one shared by all graphs: a different program layout
+        **({"contexts": "per_graph"} if workers > 1 else {}),
     }, length=24)
 
     def build(tmp: Path) -> dict:
         stats = torch.load(qdq.stats_path, weights_only=True)
-        graphs = {name: _deploy_graph(model, cfg, name, ar_len, r3, stats, timer) for name, ar_len in ar_lens.items()}
-        first = next(iter(graphs.values()))
-        constant_methods = {k: v for k, v in first["meta"].items() if k != "get_ar_len"}
-        constant_methods["get_logits_scale"], constant_methods["get_logits_zero_point"] = first["encodings"]["logits"]
-        buffer, delegation = _lower(graphs, constant_methods, timer, backend.w4_lowering == W4Lowering.lpbq)
+        with provenance_without_deep_copies():  # same program, without quadratic copies of node provenance
+            graphs = {name: _deploy_graph(model, cfg, name, ar_len, r3, stats, timer)
+                      for name, ar_len in ar_lens.items()}
+            first = next(iter(graphs.values()))
+            constant_methods = {k: v for k, v in first["meta"].items() if k != "get_ar_len"}
+            constant_methods["get_logits_scale"], constant_methods["get_logits_zero_point"] = \
+                first["encodings"]["logits"]
+            buffer, delegation = _lower(graphs, constant_methods, timer, backend.w4_lowering == W4Lowering.lpbq,
+                                        workers)
         (tmp / PTE_FILE).write_bytes(buffer)
         meta = {
             "graphs": ar_lens, "context": context, "n_layers": model.params["n_layers"],
@@ -179,6 +194,7 @@ def compile_pte(
             "encodings": {name: g["encodings"] for name, g in graphs.items()}, "delegation": delegation,
             "soc": backend.soc.value, "qnn": sdk.version, "qdq_key": qdq.key,
             "sliding_window": first["meta"].get("get_sliding_window"),
+            "lowering": {"workers": workers, "contexts": "per_graph" if workers > 1 else "shared"},
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
         return {"pte_bytes": len(buffer)}
@@ -222,19 +238,31 @@ def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, sta
             "meta": meta, "encodings": encodings}
 
 
-def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: bool):
-    """All graphs into one HTP-delegated program -> (.pte bytes, delegated / non-delegated node counts per graph)."""
-    from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
+def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: bool, workers: int = 1):
+    """All graphs into one HTP-delegated program -> (.pte bytes, delegated / non-delegated node counts per graph).
+    workers > 1: each graph but the first lowered in its own process at the same time (qexp/backends/htp/parallel.py:
+    one QNN context per graph); 1: upstream's single call (one QNN context holding every graph)."""
+    from executorch.backends.qualcomm.utils.utils import qnn_edge_config, to_edge_transform_and_lower_to_qnn
     from executorch.devtools.backend_debug import get_delegation_info
+    from executorch.exir import EdgeProgramManager
+
+    from qexp.backends.htp.parallel import lower_in_workers
+
+    def lower_one(subset: dict, methods=None):
+        return to_edge_transform_and_lower_to_qnn(
+            module={n: g["module"] for n, g in subset.items()}, inputs={n: g["inputs"] for n, g in subset.items()},
+            compiler_specs={n: g["spec"] for n, g in subset.items()}, constant_methods=methods,
+            dep_table={n: g["deps"] for n, g in subset.items()}, passes_job={n: g["passes"] for n, g in subset.items()},
+            skip_node_op_set={"llama.fallback.default"},
+        )
 
     w4_encoding = lower_4bit_per_channel_as_lpbq() if w4_as_lpbq else contextlib.nullcontext()
     with timer.stage("lower"), w4_encoding:
-        edge = to_edge_transform_and_lower_to_qnn(
-            module={n: g["module"] for n, g in graphs.items()}, inputs={n: g["inputs"] for n, g in graphs.items()},
-            compiler_specs={n: g["spec"] for n, g in graphs.items()}, constant_methods=constant_methods,
-            dep_table={n: g["deps"] for n, g in graphs.items()}, passes_job={n: g["passes"] for n, g in graphs.items()},
-            skip_node_op_set={"llama.fallback.default"},
-        )
+        if workers > 1 and len(graphs) > 1:
+            programs = lower_in_workers(graphs, lower_one)
+            edge = EdgeProgramManager(programs, constant_methods, compile_config=qnn_edge_config())
+        else:
+            edge = lower_one(graphs, constant_methods)
     delegation = {}
     for name in graphs:
         info = get_delegation_info(edge.exported_program(name).graph_module)

@@ -1,0 +1,156 @@
+"""Lowering a multi-graph program with one process per graph.
+
+Profiled on SmolLM2 (hybrid, two graphs, 419 s of lowering): 85% of it is ExecuTorch's and torch's Python graph work
+per method (export, decompositions, edge passes, partitioning, op wrappers) and QNN's own graph preparation is ~5%;
+all of it runs on one core, one method after the other. The methods are independent until the program is
+assembled, so with `backend.compile_workers=2` each graph but the first is lowered in a forked child process
+(`to_edge_transform_and_lower_to_qnn` on that graph alone, with the same passes and compiler spec) while the parent
+lowers the first. The child sends its lowered edge program back through ExecuTorch's own serializer
+(`executorch.exir.serde`, what ETRecord uses for delegated programs); the parent assembles the methods in their
+usual order into one EdgeProgramManager and emits the .pte.
+
+What changes: each graph has its own QNN context binary (a single lowering call puts all graphs' op wrappers into
+one shared context). The graphs are compiled from the same edge programs with the same specs, so they compute the
+same: tests/test_htp.py requires bit-identical emulator outputs against the one-process lowering. QNN's context
+binaries are not byte-reproducible even between two identical compiles, so bytes are not the check. The cache key of
+the .pte records the layout (`contexts`).
+
+A forked child starts with the parent's memory shared copy-on-write; it sets one intra-op thread (torch's OpenMP
+pool does not survive a fork) and ends with os._exit, never returning into the parent's code (MLflow, Hydra).
+A child that fails or dies ends the compile with one line naming the graph and the reason.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import signal
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Callable, Dict
+
+log = logging.getLogger("qexp")
+
+
+def lower_in_workers(graphs: Dict[str, dict], lower_one: Callable[[Dict[str, dict]], object]) -> Dict[str, object]:
+    """{method: lowered edge ExportedProgram}, in the order of `graphs`. `lower_one({name: graph})` lowers graphs in
+    this process and returns the EdgeProgramManager; the first graph is lowered here, the others in forked
+    children at the same time."""
+    names = list(graphs)
+    with tempfile.TemporaryDirectory(prefix="qexp-lower-") as tmp:
+        children = {name: _fork(name, graphs[name], lower_one, Path(tmp)) for name in names[1:]}
+        try:
+            here = lower_one({names[0]: graphs[names[0]]})
+            programs = {names[0]: here.exported_program(names[0])}
+            for name in names[1:]:
+                pid, children[name] = children[name], None  # reaped by _collect, whatever it finds
+                programs[name] = _collect(name, pid, Path(tmp))
+        finally:
+            for pid in children.values():
+                if pid:  # the parent failed first: the children's work is of no use
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+    return {name: programs[name] for name in names}
+
+
+def _fork(name: str, graph: dict, lower_one, tmp: Path) -> int:
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    # ---- the child: lower one graph, write the serialized program (or the error), leave without cleanup handlers
+    status = 1
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        log_buffer = io.StringIO()
+        handler = logging.StreamHandler(log_buffer)
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
+        logging.getLogger().addHandler(handler)
+        program = lower_one({name: graph}).exported_program(name)
+        from executorch.exir.serde.serialize import serialize
+
+        artifact = serialize(program)
+        parts = (artifact.exported_program, artifact.state_dict, artifact.constants, artifact.example_inputs)
+        with open(tmp / f"{name}.partial", "wb") as f:
+            pickle.dump({"artifact": parts, "meta": _backend_meta(program), "log": log_buffer.getvalue()}, f,
+                        protocol=5)
+        os.replace(tmp / f"{name}.partial", tmp / f"{name}.pkl")
+        status = 0
+    except BaseException as exc:  # noqa: BLE001 - everything must reach the parent as one line
+        try:
+            (tmp / f"{name}.error").write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        except BaseException:  # noqa: BLE001
+            pass
+    finally:
+        os._exit(status)
+
+
+def _collect(name: str, pid: int, tmp: Path):
+    from executorch.exir.serde.export_serialize import SerializedArtifact
+    from executorch.exir.serde.serialize import deserialize
+
+    _, status = os.waitpid(pid, 0)
+    result, error = tmp / f"{name}.pkl", tmp / f"{name}.error"
+    if os.WIFSIGNALED(status):
+        sig = signal.Signals(os.WTERMSIG(status)).name
+        why = " (killed: most likely out of memory)" if sig == "SIGKILL" else ""
+        raise RuntimeError(f"the compile worker for {name} died with {sig}{why}; backend.compile_workers=1 lowers "
+                           "the graphs one after the other in one process")
+    if os.WEXITSTATUS(status) != 0 or not result.is_file():
+        detail = error.read_text() if error.is_file() else "no error recorded"
+        log.debug("compile worker for %s failed:\n%s", name, detail)
+        raise RuntimeError(f"the compile worker for {name} failed: {detail.splitlines()[0]}")
+    with open(result, "rb") as f:
+        payload = pickle.load(f)
+    _append_to_run_log(payload["log"])
+    program = deserialize(SerializedArtifact(*payload["artifact"]))
+    nodes = {node.name: node for node in program.graph_module.graph.nodes}
+    for node_name, meta in payload["meta"].items():
+        for key, value in meta.items():
+            nodes[node_name].meta.setdefault(key, value)
+    return program
+
+
+# Node metadata ExecuTorch's serializer keeps (or rebuilds) itself; anything else a backend put on the lowered
+# program's nodes is carried over by name: QNN's `QCOM_QUANTIZED_IO` (the dtype of each quantized graph input and
+# output, which BuildQuantIo turns into the program's uint8/uint16 I/O) is one such key.
+_SERIALIZED_META = {"val", "tensor_meta", "stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn",
+                    "from_node", "seq_nr", "original_aten", "custom", "spec", "debug_handle", "delegation_tag"}
+
+
+def _backend_meta(program) -> dict:
+    out = {}
+    for node in program.graph_module.graph.nodes:
+        extra = {}
+        for key, value in node.meta.items():
+            if key in _SERIALIZED_META:
+                continue
+            try:
+                pickle.dumps(value)
+            except Exception:  # noqa: BLE001 - not data (e.g. a callable): nothing the emitter reads
+                continue
+            extra[key] = value
+        if extra:
+            out[node.name] = extra
+    return out
+
+
+def _append_to_run_log(text: str) -> None:
+    """The child's library log lines (QNN's per-node INFO lines) into this run's run.log, as if logged here."""
+    if not text:
+        return
+    for handler in logging.getLogger().handlers:
+        if handler.get_name() == "qexp-run-log":
+            handler.acquire()
+            try:
+                handler.stream.write(text)
+            finally:
+                handler.release()
