@@ -73,6 +73,22 @@ def compile_workers(backend, n_graphs: int) -> int:
     return max(1, min(wanted, n_graphs, os.cpu_count() or 1))
 
 
+def _room_for_workers(n_workers: int) -> bool:
+    """Whether the machine has memory for forked lowering workers. Measured on SmolLM2: a worker needs ~3 GB of its
+    own beyond the pages it shares with the parent, about 0.7x the parent's resident memory at the fork; asked for
+    1x to keep a margin. Without the room, the graphs are lowered one after the other (one log line says so)."""
+    import psutil
+
+    need = n_workers * psutil.Process().memory_info().rss
+    available = psutil.virtual_memory().available
+    if available >= need:
+        return True
+    log.warning("lowering the graphs one after the other: %.1f GiB of memory available, %.1f GiB wanted for %d "
+                "compile worker(s) (backend.compile_workers=1 avoids this check)", available / 2**30, need / 2**30,
+                n_workers)
+    return False
+
+
 def io_bits(qrange) -> int:
     """Bit width of a graph edge from its encoding's [qmin, qmax]: 8 or 16 (what the runner feeds and reads)."""
     return 8 if qrange[1] <= 255 else 16
@@ -185,8 +201,8 @@ def compile_pte(
             constant_methods = {k: v for k, v in first["meta"].items() if k != "get_ar_len"}
             constant_methods["get_logits_scale"], constant_methods["get_logits_zero_point"] = \
                 first["encodings"]["logits"]
-            buffer, delegation = _lower(graphs, constant_methods, timer, backend.w4_lowering == W4Lowering.lpbq,
-                                        workers)
+            buffer, delegation, used = _lower(graphs, constant_methods, timer,
+                                              backend.w4_lowering == W4Lowering.lpbq, workers)
         (tmp / PTE_FILE).write_bytes(buffer)
         meta = {
             "graphs": ar_lens, "context": context, "n_layers": model.params["n_layers"],
@@ -194,7 +210,7 @@ def compile_pte(
             "encodings": {name: g["encodings"] for name, g in graphs.items()}, "delegation": delegation,
             "soc": backend.soc.value, "qnn": sdk.version, "qdq_key": qdq.key,
             "sliding_window": first["meta"].get("get_sliding_window"),
-            "lowering": {"workers": workers, "contexts": "per_graph" if workers > 1 else "shared"},
+            "lowering": {"workers": used, "contexts": "per_graph" if used > 1 else "shared"},
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
         return {"pte_bytes": len(buffer)}
@@ -239,7 +255,8 @@ def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, sta
 
 
 def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: bool, workers: int = 1):
-    """All graphs into one HTP-delegated program -> (.pte bytes, delegated / non-delegated node counts per graph).
+    """All graphs into one HTP-delegated program -> (.pte bytes, delegated / non-delegated node counts per graph,
+    the processes that lowered them).
     workers > 1: each graph but the first lowered in its own process at the same time (qexp/backends/htp/parallel.py:
     one QNN context per graph); 1: upstream's single call (one QNN context holding every graph)."""
     from executorch.backends.qualcomm.utils.utils import qnn_edge_config, to_edge_transform_and_lower_to_qnn
@@ -257,6 +274,8 @@ def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: 
         )
 
     w4_encoding = lower_4bit_per_channel_as_lpbq() if w4_as_lpbq else contextlib.nullcontext()
+    if workers > 1 and len(graphs) > 1 and not _room_for_workers(len(graphs) - 1):
+        workers = 1
     with timer.stage("lower"), w4_encoding:
         if workers > 1 and len(graphs) > 1:
             programs = lower_in_workers(graphs, lower_one)
@@ -269,4 +288,4 @@ def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: 
         delegation[name] = {"delegated": info.num_delegated_nodes, "non_delegated": info.num_non_delegated_nodes}
     with timer.stage("to_executorch"):
         program = edge.to_executorch(executorch_backend_config())
-    return program.buffer, delegation
+    return program.buffer, delegation, (workers if len(graphs) > 1 else 1)

@@ -1,0 +1,57 @@
+"""The parallel HTP lowering's process handling (qexp/backends/htp/parallel.py), without QNN: a worker that fails or
+dies ends the compile with one line naming the graph and the reason, and leaves no process behind. (The lowering
+itself, against upstream's one-process lowering, is tested on the emulator in test_htp.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+import pytest
+
+from qexp.backends.htp.parallel import lower_in_workers
+
+
+class _Lowered:
+    def exported_program(self, name):
+        return f"program of {name}"
+
+
+def _no_children_left():
+    return [c for c in psutil.Process().children() if c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_failing_worker_is_one_line_naming_its_graph():
+    def lower_one(subset):
+        if "prefill_forward" in subset:
+            raise ValueError("could not create op: q::ConvLayer_s1.opt")
+        return _Lowered()
+
+    with pytest.raises(RuntimeError) as error:
+        lower_in_workers({"kv_forward": {}, "prefill_forward": {}}, lower_one)
+    assert str(error.value) == ("the compile worker for prefill_forward failed: ValueError: could not create op: "
+                                "q::ConvLayer_s1.opt")
+    assert not _no_children_left()
+
+
+def test_a_killed_worker_says_it_was_killed():
+    def lower_one(subset):
+        if "prefill_forward" in subset:
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
+        return _Lowered()
+
+    with pytest.raises(RuntimeError, match="prefill_forward died with SIGKILL .*out of memory.*compile_workers=1"):
+        lower_in_workers({"kv_forward": {}, "prefill_forward": {}}, lower_one)
+    assert not _no_children_left()
+
+
+def test_the_parent_failing_first_kills_the_workers():
+    def lower_one(subset):
+        if "kv_forward" in subset:
+            raise KeyboardInterrupt  # the user, during the parent's own graph
+        signal.pause()  # the worker would still be busy
+
+    with pytest.raises(KeyboardInterrupt):
+        lower_in_workers({"kv_forward": {}, "prefill_forward": {}}, lower_one)
+    assert not _no_children_left()
