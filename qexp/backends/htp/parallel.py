@@ -28,6 +28,7 @@ import os
 import pickle
 import signal
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Callable, Dict
@@ -42,9 +43,13 @@ def lower_in_workers(graphs: Dict[str, dict], lower_one: Callable[[Dict[str, dic
     names = list(graphs)
     with tempfile.TemporaryDirectory(prefix="qexp-lower-") as tmp:
         children = {name: _fork(name, graphs[name], lower_one, Path(tmp)) for name in names[1:]}
+        log.info("lowering %s here and %s in worker process(es) %s, at the same time", names[0], ", ".join(names[1:]),
+                 ", ".join(str(pid) for pid in children.values()))
+        start = time.perf_counter()
         try:
             here = lower_one({names[0]: graphs[names[0]]})
             programs = {names[0]: here.exported_program(names[0])}
+            log.info("%s lowered in %.0f s; collecting %s", names[0], time.perf_counter() - start, ", ".join(names[1:]))
             for name in names[1:]:
                 pid, children[name] = children[name], None  # reaped by _collect, whatever it finds
                 programs[name] = _collect(name, pid, Path(tmp))
