@@ -122,6 +122,19 @@ def test_report_refuses_incomparable_synthetic_runs():
         build_report(pd.DataFrame([HTP]), pivot=["scheme", "backend"])
 
 
+def test_report_labels_htp_exact_rows():
+    """Runs whose QDQ phase used HTP's integer arithmetic (eval.htp_exact) get a QDQ-arithmetic column and a note
+    when the table also holds fake-quant runs; a table of one arithmetic stays as it was."""
+    from qexp.report import build_report
+
+    exact = {**HTP, "run_id": "exact", "tags.qdq_arithmetic": "htp_exact", "metrics.ppl_qdq": 24.15}
+    report = build_report(pd.DataFrame([HTP, exact]))
+    assert list(report.table.columns)[:3] == ["model", "scheme", "QDQ arithmetic"]
+    assert sorted(report.table["QDQ arithmetic"]) == ["fake_quant", "htp_exact"]
+    assert any("htp_exact" in note for note in report.notes)
+    assert "QDQ arithmetic" not in build_report(pd.DataFrame([HTP])).table.columns
+
+
 def test_pareto_front():
     from qexp.report import pareto_front
 

@@ -42,6 +42,7 @@ EXTRA_COLUMNS: Dict[str, tuple[str, str]] = {
     "prefill_tok_s": ("metrics.prefill_tok_s", "prefill tok/s"),
     "run_id": ("run_id", "run"),
     "algorithm": ("algorithm", "algorithm"),
+    "qdq_arithmetic": ("qdq_arithmetic", "QDQ arithmetic"),
 }
 # Metrics the CSV keeps even when not shown: the subset figures the notes point to.
 CSV_METRICS = ("ppl_fp_sub", "ppl_qdq_sub", "ppl_deployed_vs_qdq", "top1_agreement_deployed_vs_qdq",
@@ -225,6 +226,12 @@ def build_report(runs: pd.DataFrame, columns: Optional[Sequence[str]] = None, al
     mixed = _check_comparable(runs, allow_mixed)
     if mixed:
         chosen = {**MIXED_COLUMNS, **chosen}
+    # eval.htp_exact runs score the QDQ phase with HTP's integer arithmetic: never side by side unlabelled
+    arithmetics = runs["qdq_arithmetic"].nunique() > 1 and "qdq_arithmetic" not in chosen
+    if arithmetics:
+        at = list(chosen).index("scheme") + 1 if "scheme" in chosen else 0
+        items = list(chosen.items())
+        chosen = dict(items[:at] + [("qdq_arithmetic", EXTRA_COLUMNS["qdq_arithmetic"])] + items[at:])
     data = _data(runs, chosen)
     table = data[[c for c in data.columns if c in chosen]].rename(columns={k: v[1] for k, v in chosen.items()})
     # intervals ride along for formatted(): {column header: (low, high)}
@@ -233,6 +240,10 @@ def build_report(runs: pd.DataFrame, columns: Optional[Sequence[str]] = None, al
     notes: List[str] = []
     if mixed:
         notes.append(f"Mixed evaluation settings (--allow-mixed): {mixed}. Compare rows only within a group.")
+    if arithmetics:
+        notes.append("QDQ arithmetic: `fake_quant` rows evaluate the QDQ program in float (PyTorch's fake quantization), "
+                     "`htp_exact` rows with HTP's integer arithmetic (eval.htp_exact: accumulator floor, rounded "
+                     "zero-point correction); compare QDQ perplexities within one arithmetic.")
     notes += _notes(runs, chosen)
     if table.attrs["ci"]:
         notes.append("[low, high]: 95% interval of a Δ, paired bootstrap over the evaluation windows (32-token blocks "
