@@ -66,3 +66,34 @@ def test_the_parent_failing_first_kills_the_workers():
     with pytest.raises(KeyboardInterrupt):
         lower_in_workers({"kv_forward": {}, "prefill_forward": {}}, lower_one)
     assert _children() <= before
+
+
+def test_a_worker_dies_with_its_killed_parent(tmp_path):
+    """The parent killed outright (SIGKILL, the OOM killer) takes its compile worker with it: no orphan lowering on."""
+    import subprocess
+    import sys
+    import time
+
+    worker_pid = tmp_path / "worker.pid"
+    script = f"""
+import os, signal, time
+from pathlib import Path
+from qexp.backends.htp.parallel import lower_in_workers
+
+def lower_one(subset):
+    if "prefill_forward" in subset:
+        Path({str(worker_pid)!r}).write_text(str(os.getpid()))
+        signal.pause()
+    while not Path({str(worker_pid)!r}).exists():
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+lower_in_workers({{"kv_forward": {{}}, "prefill_forward": {{}}}}, lower_one)
+"""
+    parent = subprocess.run([sys.executable, "-c", script], timeout=120)
+    assert parent.returncode == -signal.SIGKILL
+    pid = int(worker_pid.read_text())
+    deadline = time.time() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.time() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

@@ -42,22 +42,25 @@ def lower_in_workers(graphs: Dict[str, dict], lower_one: Callable[[Dict[str, dic
     children at the same time."""
     names = list(graphs)
     with tempfile.TemporaryDirectory(prefix="qexp-lower-") as tmp:
-        children = {name: _fork(name, graphs[name], lower_one, Path(tmp)) for name in names[1:]}
+        pending = {name: _fork(name, graphs[name], lower_one, Path(tmp)) for name in names[1:]}
         log.info("lowering %s here and %s in worker process(es) %s, at the same time", names[0], ", ".join(names[1:]),
-                 ", ".join(str(pid) for pid in children.values()))
+                 ", ".join(str(pid) for pid in pending.values()))
         start = time.perf_counter()
         try:
             here = lower_one({names[0]: graphs[names[0]]})
             programs = {names[0]: here.exported_program(names[0])}
             log.info("%s lowered in %.0f s; collecting %s", names[0], time.perf_counter() - start, ", ".join(names[1:]))
             for name in names[1:]:
-                pid, children[name] = children[name], None  # reaped by _collect, whatever it finds
-                programs[name] = _collect(name, pid, Path(tmp))
+                _, status = os.waitpid(pending[name], 0)
+                del pending[name]
+                programs[name] = _collect(name, status, Path(tmp))
         finally:
-            for pid in children.values():
-                if pid:  # the parent failed first: the children's work is of no use
+            for pid in pending.values():  # the parent failed or was interrupted first: the workers' work is of no use
+                try:
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
+                except (ProcessLookupError, ChildProcessError):
+                    pass
     return {name: programs[name] for name in names}
 
 
@@ -72,6 +75,7 @@ def _fork(name: str, graph: dict, lower_one, tmp: Path) -> int:
     # ---- the child: lower one graph, write the serialized program (or the error), leave without cleanup handlers
     status = 1
     try:
+        _die_with_parent()
         import torch
 
         torch.set_num_threads(1)
@@ -98,11 +102,23 @@ def _fork(name: str, graph: dict, lower_one, tmp: Path) -> int:
         os._exit(status)
 
 
-def _collect(name: str, pid: int, tmp: Path):
+def _die_with_parent() -> None:
+    """A worker whose parent is killed (SIGKILL, the OOM killer) is killed too, not left lowering for minutes; it
+    also holds the run's liveness pipe open, which would keep the watchdog from marking the run KILLED (Linux)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _collect(name: str, status: int, tmp: Path):
     from executorch.exir.serde.export_serialize import SerializedArtifact
     from executorch.exir.serde.serialize import deserialize
 
-    _, status = os.waitpid(pid, 0)
     result, error = tmp / f"{name}.pkl", tmp / f"{name}.error"
     if os.WIFSIGNALED(status):
         sig = signal.Signals(os.WTERMSIG(status)).name
