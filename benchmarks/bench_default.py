@@ -81,9 +81,12 @@ def run_once(label: str, checkout: Path, cache_dir: str, store: str, args: list[
     print(f"[bench] {label}: {' '.join(command[1:])}  (in {checkout})", flush=True)
     env = {**os.environ, "MLFLOW_TRACKING_URI": store, "PYTHONPATH": str(checkout)}
     start = time.perf_counter()
-    proc = subprocess.Popen(command, cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # bytes, not text mode: text mode turns a progress bar's in-place "\r" updates into lines a terminal never shows
+    proc = subprocess.Popen(command, cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     memory = TreeMemory(proc.pid)
-    out, err = proc.communicate()
+    out_bytes, err_bytes = proc.communicate()
+    lines = out_bytes.count(b"\n") + err_bytes.count(b"\n")  # as a terminal shows them
+    out, err = out_bytes.decode(errors="replace"), err_bytes.decode(errors="replace")
     wall = time.perf_counter() - start
     memory.stop()
     if proc.returncode != 0:
@@ -91,7 +94,6 @@ def run_once(label: str, checkout: Path, cache_dir: str, store: str, args: list[
         raise SystemExit(f"[bench] {label} failed (exit {proc.returncode})")
     run_id = next(line.split()[2] for line in out.splitlines() if line.startswith("qexp: run "))
     metrics = MlflowClient(store).get_run(run_id).data.metrics
-    lines = out.count("\n") + err.count("\n")
     print(f"[bench] {label}: {wall:.1f} s, peak tree RSS {memory.peak_rss:.0f} MiB, {lines} terminal lines", flush=True)
     return {"label": label, "run_id": run_id, "wall_s": wall, "tree_peak_rss_mb": memory.peak_rss,
             "terminal_lines": lines, **metrics}
