@@ -12,6 +12,9 @@ import tempfile
 from typing import Iterator
 
 
+# The name of the handler that collects run.log (parallel.py adds its compile workers' lines through it).
+RUN_LOG_HANDLER = "qexp-run-log"
+
 # Loggers whose INFO lines are the user's: qexp's own and Hydra's (its launcher lists each job of a multirun).
 _TERMINAL_LOGGERS = ("qexp", "hydra")
 
@@ -33,7 +36,7 @@ def captured_log(verbose: bool = False) -> Iterator[io.StringIO]:
     buffer = io.StringIO()
     handler = logging.StreamHandler(buffer)
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
-    handler.set_name("qexp-run-log")
+    handler.set_name(RUN_LOG_HANDLER)
     root, logger = logging.getLogger(), logging.getLogger("qexp")
     if logger.level == logging.NOTSET or logger.level > logging.INFO:
         logger.setLevel(logging.INFO)

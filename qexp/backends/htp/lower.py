@@ -69,8 +69,7 @@ def graph_ar_lens(backend) -> Dict[str, int]:
 
 def compile_workers(backend, n_graphs: int) -> int:
     """Processes that lower the graphs at once: backend.compile_workers, at most one per graph and per CPU core."""
-    wanted = int(getattr(backend, "compile_workers", 1))
-    return max(1, min(wanted, n_graphs, os.cpu_count() or 1))
+    return max(1, min(int(backend.compile_workers), n_graphs, os.cpu_count() or 1))
 
 
 def _room_for_workers(n_workers: int) -> bool:
@@ -275,10 +274,10 @@ def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: 
         )
 
     w4_encoding = lower_4bit_per_channel_as_lpbq() if w4_as_lpbq else contextlib.nullcontext()
-    if workers > 1 and len(graphs) > 1 and not _room_for_workers(len(graphs) - 1):
+    if workers > 1 and not _room_for_workers(len(graphs) - 1):  # compile_workers() keeps workers <= len(graphs)
         workers = 1
     with timer.stage("lower"), w4_encoding:
-        if workers > 1 and len(graphs) > 1:
+        if workers > 1:
             programs = lower_in_workers(graphs, lower_one)
             edge = EdgeProgramManager(programs, constant_methods, compile_config=qnn_edge_config())
         else:
@@ -289,4 +288,4 @@ def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: 
         delegation[name] = {"delegated": info.num_delegated_nodes, "non_delegated": info.num_non_delegated_nodes}
     with timer.stage("to_executorch"):
         program = edge.to_executorch(executorch_backend_config())
-    return program.buffer, delegation, (workers if len(graphs) > 1 else 1)
+    return program.buffer, delegation, workers

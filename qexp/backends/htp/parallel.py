@@ -27,6 +27,7 @@ import logging
 import os
 import pickle
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -65,8 +66,6 @@ def lower_in_workers(graphs: Dict[str, dict], lower_one: Callable[[Dict[str, dic
 
 
 def _fork(name: str, graph: dict, lower_one, tmp: Path) -> int:
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -166,10 +165,12 @@ def _backend_meta(program) -> dict:
 
 def _append_to_run_log(text: str) -> None:
     """The child's library log lines (QNN's per-node INFO lines) into this run's run.log, as if logged here."""
+    from qexp.tracking.runlog import RUN_LOG_HANDLER
+
     if not text:
         return
     for handler in logging.getLogger().handlers:
-        if handler.get_name() == "qexp-run-log":
+        if handler.get_name() == RUN_LOG_HANDLER:
             handler.acquire()
             try:
                 handler.stream.write(text)
