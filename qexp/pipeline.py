@@ -102,16 +102,17 @@ def validate(cfg: DictConfig) -> Backend:
     from qexp.data.text import check_texts
     from qexp.models.static_llama import arch_flags
     from qexp.models.shapes import linear_shapes
-    from qexp.quant.recipe import check_block_sizes, uses_blocks, validate_recipe
+    from qexp.quant.recipe import check_block_sizes, check_overrides_match, uses_blocks, validate_recipe
     from qexp.transforms import validate_transforms
 
     backend = get_backend(cfg.backend.name)
     arch_flags(cfg.model.arch)
     validate_recipe(cfg.quant, cfg.observer)
-    if uses_blocks(cfg.quant):  # from the model's metadata; the load stage checks the loaded weights again
+    if uses_blocks(cfg.quant) or cfg.quant.overrides:  # from the model's metadata; the load stage checks again
         shapes = linear_shapes(cfg.model)
         if shapes:
             check_block_sizes(cfg.quant, shapes)
+            check_overrides_match(cfg.quant, shapes)
     if cfg.quant.scheme in QDQ_ONLY_SCHEMES and backend.deploys:
         raise ConfigError(f"quant={cfg.quant.scheme} is a QDQ-only research scheme: backend={cfg.backend.name} has no "
                           "3-bit weights (HTP runs 4, 8 and 16-bit weights)", "use backend=none, or a 4-bit scheme")

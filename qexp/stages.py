@@ -22,7 +22,7 @@ def load(state) -> None:
     from qexp.models.sources import load_model
     from qexp.models.static_llama import StaticLlama
     from qexp.quant.encodings import weights_megabytes
-    from qexp.quant.recipe import check_block_sizes
+    from qexp.quant.recipe import check_block_sizes, check_overrides_match
 
     cfg = state.cfg
     with state.timer.stage("load"):
@@ -32,7 +32,9 @@ def load(state) -> None:
                 f"eval.seq_len={cfg.eval.seq_len} is larger than the model's context ({model.max_context} tokens)",
                 "lower eval.seq_len",
             )
-        check_block_sizes(cfg.quant, {k: tuple(v.shape) for k, v in model.state_dict.items()})
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict.items()}
+        check_block_sizes(cfg.quant, shapes)
+        check_overrides_match(cfg.quant, shapes)
         state.model = model
         state.fp_static = StaticLlama(model, cfg.export.max_context_len, r3=cfg.model.r3)
     state.tags.update({"model_sha256": model.fingerprint, "model_source": model.source_path,

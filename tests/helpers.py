@@ -37,3 +37,27 @@ def wait_until_healthy(url: str, proc: subprocess.Popen, what: str, timeout: flo
             time.sleep(0.5)
     proc.kill()
     raise AssertionError(f"{what} did not start")
+
+
+def program_weights(module) -> dict:
+    """{static parameter name: (integer weights, scales)} of a converted QDQ program's conv weights, named by the
+    consuming conv's module path (a reloaded program calls its constants _frozen_paramN)."""
+    import torch
+
+    from qexp.quant.encodings import _DEQUANT_OPS
+
+    out = {}
+    for node in module.graph.nodes:
+        kind = _DEQUANT_OPS.get(str(node.target))
+        source = node.args[0] if node.args else None
+        if node.op != "call_function" or kind is None or getattr(source, "op", None) != "get_attr":
+            continue
+        user = next(iter(node.users))
+        if len(user.args) > 1 and user.args[1] is not node:  # a conv's bias (Qwen2's q/k/v), not its weight
+            continue
+        stack = user.meta.get("nn_module_stack")
+        path = list(stack.values())[-1][0].replace(".forward.__self__", "")
+        scale = node.args[2] if kind == "per_block" else node.args[1]
+        scale = getattr(module, scale.target) if hasattr(scale, "op") else torch.tensor([float(scale)])
+        out[path + ".weight"] = (getattr(module, source.target), scale)
+    return out

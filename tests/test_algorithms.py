@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import TINY
+from helpers import TINY, program_weights
 from qexp.errors import ConfigError
 from qexp.pipeline import prepare, run_experiment, validate
 from qexp.timing import StageTimer
@@ -21,25 +21,6 @@ from qexp.transforms.smoothquant import smoothing_scales
 
 
 # ------------------------------------------------------------------ helpers
-def program_weights(module) -> dict:
-    """{static parameter name: (integer weights, scales)} of a converted QDQ program's conv weights, named by the
-    consuming conv's module path (a reloaded program calls its constants _frozen_paramN)."""
-    from qexp.quant.encodings import _DEQUANT_OPS
-
-    out = {}
-    for node in module.graph.nodes:
-        kind = _DEQUANT_OPS.get(str(node.target))
-        source = node.args[0] if node.args else None
-        if node.op != "call_function" or kind is None or getattr(source, "op", None) != "get_attr":
-            continue
-        stack = next(iter(node.users)).meta.get("nn_module_stack")
-        path = list(stack.values())[-1][0].replace(".forward.__self__", "")
-        scale = node.args[2] if kind == "per_block" else node.args[1]
-        scale = getattr(module, scale.target) if hasattr(scale, "op") else torch.tensor([float(scale)])
-        out[path + ".weight"] = (getattr(module, source.target), scale)
-    return out
-
-
 def transformed(compose, overrides, through="calibration"):
     cfg = compose(TINY + overrides)
     state = prepare(cfg, through=through)

@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import TINY
+from helpers import TINY, program_weights
 from qexp.config import BlockScaleRounding
 from qexp.pipeline import prepare
 from qexp.quant.lpbq import SCALE_STEPS, quantize_block_scales
 from qexp.transforms.grid import WeightGrid
-from test_algorithms import program_weights
 
 
 def lowering_encoding(scales: torch.Tensor):

@@ -97,3 +97,23 @@ lower_in_workers({{"kv_forward": {{}}, "prefill_forward": {{}}}}, lower_one)
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.time() < deadline:
         time.sleep(0.1)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_lowering_bars_tick_and_stop_each_graph_when_it_is_done(capsys):
+    """One live line per graph: elapsed seconds while it lowers, "done in N s" after; a worker's graph stops its clock
+    when the worker writes its result (polled), not when the parent gets round to collecting it."""
+    import time
+
+    from qexp.backends.htp.progress import labels_for, lowering_bars
+
+    labels = labels_for(["kv_forward", "prefill_forward"], {"prefill_forward": 4242})
+    assert labels == {"kv_forward": "this process", "prefill_forward": "worker process 4242"}
+    finished = time.time()
+    with lowering_bars(labels, {"prefill_forward": lambda: finished}, interval=0.05) as done:
+        time.sleep(0.6)
+        here = done("kv_forward")
+        worker = done("prefill_forward")
+    assert here >= 0.6 and worker < 0.3, (here, worker)
+    err = capsys.readouterr().err
+    assert "lower kv_forward (this process): done in 1 s" in err
+    assert "lower prefill_forward (worker process 4242): done in 0 s" in err

@@ -7,6 +7,8 @@ conv in the static llama), regex overrides by module path, and custom annotation
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from qexp import upstream
@@ -189,6 +191,29 @@ def uses_blocks(quant: QuantConfig) -> bool:
     """Whether any weight of the recipe is quantized per block (the main scheme or an override)."""
     return quant.scheme != NO_QUANT and (quant.weight_granularity == Granularity.per_block or any(
         o.granularity == Granularity.per_block for o in quant.overrides))
+
+
+def check_overrides_match(quant: QuantConfig, shapes: dict) -> None:
+    """Every override must select at least one weight layer of the model: a pattern that matches nothing (a typo, a
+    layer name of another family) would silently leave the recipe at its default scheme. `shapes` as for
+    check_block_sizes."""
+    from qexp.transforms.grid import static_module_path
+
+    if quant.scheme == NO_QUANT or not quant.overrides:
+        return
+    paths = [static_module_path(key) for key, shape in shapes.items()
+             if len(shape) == 2 and (key.startswith("layers.") or key == "output.weight")]
+    if not paths:
+        return
+    for override in quant.overrides:
+        try:
+            pattern = re.compile(f"(?=.*conv$)(?:{override.pattern})")
+        except re.error as exc:
+            raise ConfigError(f"quant.overrides pattern {override.pattern!r} is not a valid regex ({exc})") from None
+        if not any(pattern.search(path) for path in paths):
+            examples = ", ".join(sorted({re.sub(r"layers\.\d+\.", "layers.N.", p) for p in paths})[:8])
+            raise ConfigError(f"quant.overrides pattern {override.pattern!r} matches no weight layer of this model",
+                              f"layer paths look like: {examples}")
 
 
 def check_block_sizes(quant: QuantConfig, shapes: dict) -> None:

@@ -93,7 +93,8 @@ def grid_for(quant_cfg, meta_key: str) -> Optional[WeightGrid]:
     if quant_cfg.scheme == NO_QUANT:
         return None
     path = static_module_path(meta_key)
-    for override in quant_cfg.overrides:
+    # the last matching override wins, as in QnnQuantizer (strategies of equal priority: the later one first)
+    for override in reversed(list(quant_cfg.overrides)):
         if re.search(f"(?=.*conv$)(?:{override.pattern})", path):
             block = override.block_size if override.granularity == Granularity.per_block else None
             return WeightGrid(weight_bits(override.scheme), block, _rounding(quant_cfg))

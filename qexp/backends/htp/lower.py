@@ -281,7 +281,12 @@ def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: 
             programs = lower_in_workers(graphs, lower_one)
             edge = EdgeProgramManager(programs, constant_methods, compile_config=qnn_edge_config())
         else:
-            edge = lower_one(graphs, constant_methods)
+            from qexp.backends.htp.progress import lowering_bars
+
+            together = " + ".join(graphs)  # one call lowers every graph into one QNN context
+            with lowering_bars({together: "this process"}) as done:
+                edge = lower_one(graphs, constant_methods)
+                done(together)
     delegation = {}
     for name in graphs:
         info = get_delegation_info(edge.exported_program(name).graph_module)

@@ -29,7 +29,6 @@ import pickle
 import signal
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 from typing import Callable, Dict
@@ -41,20 +40,26 @@ def lower_in_workers(graphs: Dict[str, dict], lower_one: Callable[[Dict[str, dic
     """{method: lowered edge ExportedProgram}, in the order of `graphs`. `lower_one({name: graph})` lowers graphs in
     this process and returns the EdgeProgramManager; the first graph is lowered here, the others in forked
     children at the same time."""
+    from qexp.backends.htp.progress import labels_for, lowering_bars
+
     names = list(graphs)
     with tempfile.TemporaryDirectory(prefix="qexp-lower-") as tmp:
         pending = {name: _fork(name, graphs[name], lower_one, Path(tmp)) for name in names[1:]}
         log.info("lowering %s here and %s in worker process(es) %s, at the same time", names[0], ", ".join(names[1:]),
                  ", ".join(str(pid) for pid in pending.values()))
-        start = time.perf_counter()
+        seconds = {}
         try:
-            here = lower_one({names[0]: graphs[names[0]]})
-            programs = {names[0]: here.exported_program(names[0])}
-            log.info("%s lowered in %.0f s; collecting %s", names[0], time.perf_counter() - start, ", ".join(names[1:]))
-            for name in names[1:]:
-                _, status = os.waitpid(pending[name], 0)
-                del pending[name]
-                programs[name] = _collect(name, status, Path(tmp))
+            with lowering_bars(labels_for(names, pending),
+                               {name: _finish_time(name, Path(tmp)) for name in pending}) as done:
+                here = lower_one({names[0]: graphs[names[0]]})
+                programs = {names[0]: here.exported_program(names[0])}
+                seconds[names[0]] = done(names[0])
+                for name in names[1:]:
+                    _, status = os.waitpid(pending[name], 0)
+                    del pending[name]
+                    seconds[name] = done(name)
+                    programs[name] = _collect(name, status, Path(tmp))
+            log.info("lowered %s", ", ".join(f"{name} in {seconds[name]:.0f} s" for name in names))
         finally:
             for pid in pending.values():  # the parent failed or was interrupted first: the workers' work is of no use
                 try:
@@ -63,6 +68,20 @@ def lower_in_workers(graphs: Dict[str, dict], lower_one: Callable[[Dict[str, dic
                 except (ProcessLookupError, ChildProcessError):
                     pass
     return {name: programs[name] for name in names}
+
+
+def _finish_time(name: str, tmp: Path):
+    """When the worker for `name` wrote its result or error (it leaves right after), or None while it runs."""
+
+    def probe():
+        for path in (tmp / f"{name}.pkl", tmp / f"{name}.error"):
+            try:
+                return path.stat().st_mtime
+            except FileNotFoundError:
+                continue
+        return None
+
+    return probe
 
 
 def _fork(name: str, graph: dict, lower_one, tmp: Path) -> int:
