@@ -212,3 +212,11 @@ def test_device_layout_gives_one_row_per_configuration_and_device():
     assert rows[("16a3w_block", "CPU (QDQ)")].config == "awq, int3 sym block 64, lm head int8 sym per channel"
     assert rows[("16a3w_block", "CPU (QDQ)")].deployable == "false"
     assert ("fp32", "XNNPACK (CPU)") not in rows  # the XNNPACK run's QNN scheme is fp32: no QDQ row of its own
+
+    # the same configuration run QDQ-only too: one CPU row (the subset from the HTP run); other numbers stay apart
+    qdq_only = {**HTP, "run_id": "e", "metrics.ppl_deployed": np.nan, "metrics.ppl_qdq_sub": np.nan}
+    other = {**qdq_only, "run_id": "f", "metrics.ppl_qdq": 26.5}
+    table = device_table(_derived(pd.DataFrame([HTP, qdq_only, other])))
+    cpu = table[(table["precision"] == "16a8w") & (table["device"] == "CPU (QDQ)")]
+    assert sorted(cpu["PPL (all windows)"]) == [25.5, 26.5]
+    assert list(cpu.sort_values("PPL (all windows)")["PPL (deployed subset)"].fillna(-1)) == [23.0, -1]

@@ -67,8 +67,19 @@ def device_table(runs: pd.DataFrame) -> pd.DataFrame:
     fp = pd.DataFrame({"model": model, "ppl": num("metrics.ppl_fp")}).dropna().drop_duplicates("model")
     for _, row in fp.iterrows():
         rows.append([row["model"], "fp32", "-", "CPU (PyTorch)", np.nan, row["ppl"], 0.0, "-"])
-    table = pd.DataFrame(rows, columns=HEADERS)
+    table = _merge_repeated_qdq_rows(pd.DataFrame(rows, columns=HEADERS))
     order = {"fp32": 0}
     table["_fp"] = table["precision"].map(order).fillna(1)
     table = table.sort_values(["model", "_fp", "precision", "config", "device"], kind="stable").drop(columns="_fp")
     return table.reset_index(drop=True)
+
+
+def _merge_repeated_qdq_rows(table: pd.DataFrame) -> pd.DataFrame:
+    """A configuration run once QDQ-only and once with a deployed phase has the same QDQ phase twice (same config,
+    same numbers): one CPU row, with the deployed subset's QDQ perplexity from the run that has one. Rows whose
+    numbers differ stay apart."""
+    key = ["model", "precision", "config", "device", "PPL (all windows)", "Δ vs FP", "deployable"]
+    qdq = table["device"].str.startswith("CPU (QDQ") & table["PPL (all windows)"].notna()
+    merged = (table[qdq].groupby(key, sort=False, dropna=False)["PPL (deployed subset)"]
+              .agg(lambda values: values.dropna().iloc[0] if values.notna().any() else np.nan).reset_index())
+    return pd.concat([merged[HEADERS], table[~qdq]], ignore_index=True)
