@@ -123,6 +123,32 @@ def test_gptq_equals_rtn_for_uncorrelated_inputs_and_beats_it_otherwise():
             assert torch.allclose(ints, ints.round(), atol=1e-4) and ints.abs().max() <= 7 + 1e-4
 
 
+def test_gptq_dynamic_block_scales_stay_on_the_lpbq_grid_and_avoid_the_static_clipping():
+    """Per-block GPTQ chooses each block's scale when it reaches the block (the reference's groupsize mode). The
+    scales stay HTP's LPBQ encoding: 4-bit multiples of the row's original unit, the largest exactly 16 units, so
+    ExecuTorch's re-encoding at lowering is the identity; and on correlated inputs the output error is no worse than
+    with scales fixed from the original weights, whose clipped updates cascade."""
+    from qexp.quant.lpbq import SCALE_STEPS, quantize_block_scales
+
+    w, x = _outlier_layer(3, out=32, cols=128)
+    g = torch.Generator().manual_seed(4)
+    xc = x @ (torch.randn(128, 128, generator=g) * 0.3 + torch.eye(128))
+    grid = WeightGrid(4, 32)
+    unit = grid.scales(w).amax(-1, keepdim=True) / SCALE_STEPS
+    dynamic, d_scales = gptq_quantize(w, hessian(xc), grid)
+    static, s_scales = gptq_quantize(w, hessian(xc), grid, static_groups=True)
+    assert not torch.equal(d_scales, s_scales)  # some block scale did follow the updates
+    steps = d_scales / unit
+    assert torch.allclose(steps, steps.round(), atol=1e-5) and steps.min() >= 1 - 1e-5
+    assert torch.allclose(steps.amax(-1), torch.full((32,), float(SCALE_STEPS)), atol=1e-5)
+    assert torch.allclose(quantize_block_scales(d_scales, grid.block_scale_rounding), d_scales, rtol=1e-6)
+    ints = dynamic / grid.expand(d_scales, 128)
+    assert torch.allclose(ints, ints.round(), atol=1e-4) and ints.abs().max() <= 7 + 1e-4
+    error = lambda q: float((xc @ (q - w).T).norm())  # noqa: E731
+    print(f"output error: dynamic {error(dynamic):.4f} static {error(static):.4f} rtn {error(grid.quantize(w)):.4f}")
+    assert error(dynamic) <= error(static) * 1.02 and error(dynamic) < error(grid.quantize(w))
+
+
 def test_gptq_integers_reach_the_qdq_program_exactly(compose):
     """GPTQ's scales are handed to QnnQuantizer: the converted program's integers are GPTQ's, also for rows whose
     GPTQ weights never reach +-7 (QnnQuantizer's own observer would shrink their scale)."""

@@ -7,11 +7,18 @@ through the upper Cholesky factor of H^-1 (the paper's Algorithm 1, with its laz
 columns and optional act-order: columns by decreasing diag H). Layers are processed in order, each layer's inputs
 captured from the model whose earlier layers are already quantized (the reference implementation's sequential mode).
 
-The grid is QnnQuantizer's (qexp/transforms/grid.py), with scales fixed before the updates from the original weights
-(per channel or per block of input channels: "static groups", so act-order keeps QNN's block layout). Because a row
-whose updated weights never reach +-qmax would be re-observed by QnnQuantizer with a smaller scale, the scales go to
-the quantize stage as exact weight ranges (LoadedModel.weight_ranges, range = scale x qmax): the converted program's
-integers are GPTQ's.
+The grid is QnnQuantizer's (qexp/transforms/grid.py). Per-channel scales are fixed before the updates, from the
+original weights (as the reference does without groups). Per-block scales are, as in the reference implementation's
+`groupsize` mode, chosen when GPTQ reaches each block, from the block's weights as the earlier columns' error updates
+left them (`static_groups=true`: all from the original weights, which act-order needs to keep QNN's block layout).
+With static block scales the updates push weights past their block's range and the clipped error cascades: on
+SmolLM2 at LPBQ block 32 that made GPTQ worse than round-to-nearest (QDQ 37.0 vs 32.6). The dynamic block scales
+stay on HTP's LPBQ grid: the row's unit (largest original block scale / 16) is kept, each block's 4-bit multiple is
+chosen from its current weights, and the block holding the row's largest original scale keeps 16 units, so the
+lowering's re-encoding of the scales is the identity.
+Because a row whose updated weights never reach +-qmax would be re-observed by QnnQuantizer with a smaller scale, the
+scales go to the quantize stage as exact weight ranges (LoadedModel.weight_ranges, range = scale x qmax): the
+converted program's integers are GPTQ's.
 
 Written here: torchao's GPTQ asserts CUDA; llm-compressor's and gptqmodel's run on CPU but on a [-8, 7] grid with
 their own scales, on the HF layout (../shared/reference/algorithm-libraries.md).
@@ -25,10 +32,12 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from qexp.config import BlockScaleRounding
 from qexp.errors import ConfigError
+from qexp.quant.lpbq import SCALE_STEPS
 from qexp.transforms.base import GridSearchTransform, TransformConfig, register_transform
 from qexp.transforms.capture import LayerByLayer, private_static
-from qexp.transforms.grid import WeightGrid, grid_for, layer_linears
+from qexp.transforms.grid import SCALE_EPS, WeightGrid, grid_for, layer_linears
 
 # which captured input each linear reads
 INPUT_OF = {"wq": "attn_in", "wk": "attn_in", "wv": "attn_in", "wo": "o_in", "w1": "ffn_in", "w3": "ffn_in",
@@ -40,6 +49,10 @@ class GptqConfig(TransformConfig):
     damp: float = 0.01  # fraction of mean(diag H) added to the diagonal
     block_size: int = 128  # columns per lazy batch update (speed only; the result is the same)
     act_order: bool = False
+    # per-block grids: every block's scale from the original weights (true), or when GPTQ reaches the block, from its
+    # updated weights (false, the reference's groupsize mode); act_order always uses static ones (it visits columns
+    # out of block order)
+    static_groups: bool = False
 
 
 def hessian(x: torch.Tensor) -> torch.Tensor:
@@ -48,12 +61,16 @@ def hessian(x: torch.Tensor) -> torch.Tensor:
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, grid: WeightGrid, damp: float = 0.01, block_size: int = 128,
-                  act_order: bool = False):
+                  act_order: bool = False, static_groups: bool = False):
     """GPTQ one weight [out, in] given H [in, in]. Returns (quantized weight, scales [out, n_blocks])."""
     w = w.double().clone()
     h = h.double().clone()
     scales = grid.scales(w.float()).double()
     column_scale = grid.expand(scales, w.shape[1])
+    dynamic = bool(grid.block_size) and not static_groups and not act_order
+    if dynamic:  # lazy batches made of whole blocks, so a block's current weights are all in the batch's working copy
+        block_size = max(grid.block_size, block_size // grid.block_size * grid.block_size)
+        lpbq = LpbqRow(scales) if grid.block_scale_rounding != BlockScaleRounding.float else None
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
@@ -67,6 +84,11 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, grid: WeightGrid, damp: floa
         i2 = min(i1 + block_size, cols)
         w1, err1, hinv1 = w[:, i1:i2].clone(), torch.zeros_like(w[:, i1:i2]), hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
+            if dynamic and (i1 + i) % grid.block_size == 0:
+                b = (i1 + i) // grid.block_size
+                current = (w1[:, i:i + grid.block_size].abs().amax(-1) / grid.qmax).clamp(min=SCALE_EPS)
+                scales[:, b] = lpbq.encode(current, b, grid.block_scale_rounding) if lpbq is not None else current
+                column_scale[:, i1 + i:i1 + i + grid.block_size] = scales[:, b:b + 1]
             column, s = w1[:, i], column_scale[:, i1 + i]
             qc = torch.clamp(torch.round(column / s), -grid.qmax, grid.qmax) * s
             q[:, i1 + i] = qc
@@ -78,10 +100,27 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, grid: WeightGrid, damp: floa
     return q.float(), scales.float()
 
 
+class LpbqRow:
+    """HTP's LPBQ block scales for dynamically chosen blocks: each row keeps the unit of its original scales (largest
+    block scale / 16) and the block that set it keeps 16 units, so the final scales' largest is still 16 units and
+    ExecuTorch's re-encoding at lowering (unit = largest / 16, steps rounded) returns them unchanged."""
+
+    def __init__(self, original_scales: torch.Tensor):
+        self.unit = original_scales.amax(-1) / SCALE_STEPS
+        self.anchor = original_scales.argmax(-1)
+
+    def encode(self, scale: torch.Tensor, block: int, rounding: BlockScaleRounding) -> torch.Tensor:
+        ratio = scale / self.unit
+        steps = torch.round(ratio) if rounding == BlockScaleRounding.nearest else torch.ceil(ratio - 1e-4)
+        steps = torch.where(self.anchor == block, torch.full_like(steps, SCALE_STEPS), steps.clamp(1, SCALE_STEPS))
+        return steps * self.unit
+
+
 @register_transform
 class Gptq(GridSearchTransform):
     name = "gptq"
     config_class = GptqConfig
+    version = 2  # 2: per-block scales chosen when GPTQ reaches each block (static_groups=false)
     needs_grid_because = "rounds weights onto a quantization grid"
 
     def validate(self, cfg) -> None:
@@ -105,7 +144,7 @@ class Gptq(GridSearchTransform):
                     continue
                 h = hessians[INPUT_OF[key.rsplit(".", 2)[1]]]
                 state[key], scales = gptq_quantize(state[key], h, grid, config.damp, config.block_size,
-                                                   config.act_order)
+                                                   config.act_order, config.static_groups)
                 ranges[key] = scales * grid.qmax
             static.update_weights({k: state[k] for k in layer_linears(i)})
             runner.run(i, inputs=(), advance=True)  # the next layer reads this layer's quantized outputs
