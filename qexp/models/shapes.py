@@ -14,6 +14,13 @@ Shapes = Dict[str, Tuple[int, int]]  # Meta-layout weight name -> (out, in)
 
 
 def _dims(cfg: ModelConfig) -> Optional[dict]:
+    try:
+        return _read_dims(cfg)
+    except Exception:  # noqa: BLE001 - unreadable metadata: the load stage reports it, in one line with its fix
+        return None
+
+
+def _read_dims(cfg: ModelConfig) -> Optional[dict]:
     if cfg.source == ModelSource.tiny:
         spec = cfg.tiny
         return {"n_layers": spec.n_layers, "dim": spec.dim, "hidden_dim": spec.hidden_dim, "n_heads": spec.n_heads,
