@@ -32,10 +32,14 @@ def quantize_block_scales(scales: torch.Tensor, rounding: BlockScaleRounding) ->
         return scales
     flat = scales.reshape(scales.shape[0], -1)
     unit = flat.amax(dim=-1, keepdim=True) / SCALE_STEPS
-    ratio = flat / unit
+    return (scale_steps(flat / unit, rounding) * unit).reshape(scales.shape)
+
+
+def scale_steps(ratio: torch.Tensor, rounding: BlockScaleRounding) -> torch.Tensor:
+    """Block scale / the row's unit -> the 4-bit step count (1..16) the LPBQ encoding stores."""
     # `up`: a ratio that is an integer up to float error must stay that integer (idempotence on quantized scales)
     steps = torch.round(ratio) if rounding == BlockScaleRounding.nearest else torch.ceil(ratio - 1e-4)
-    return (torch.clamp(steps, 1, SCALE_STEPS) * unit).reshape(scales.shape)
+    return torch.clamp(steps, 1, SCALE_STEPS)
 
 
 def is_block_observer(observer) -> bool:

@@ -105,6 +105,8 @@ def _strategy_kwargs(granularity: Granularity, block_size: int) -> dict:
 
 
 def build_recipe(quant: QuantConfig, observer: ObserverConfig):
+    from qexp.transforms.grid import override_weight_regex
+
     act_observer = observer_class(observer)
     dtype = quant_dtype(quant.scheme)
     if quant.weight_granularity == Granularity.per_block and not _is_block(quant.scheme):
@@ -128,10 +130,9 @@ def build_recipe(quant: QuantConfig, observer: ObserverConfig):
                               "set quant.scheme to it instead")
         common = dict(act_observer=act_observer, act_symmetric=override.act_symmetric,
                       note=override.note or override.pattern)
-        # A module-path regex also matches the non-weight ops inside that module (silu, mul, ...), which have no
-        # channel axis: the weight rule is limited to conv modules (lookahead: the path ends in "conv"), and the
-        # activations in the same scope get the override's bits per tensor.
-        recipe.add_regex({f"(?=.*conv$)(?:{override.pattern})"}, override_dtype, False, priority=3, **common,
+        # The weight rule matches conv modules only (override_weight_regex); the activations in the same scope get
+        # the override's bits per tensor.
+        recipe.add_regex({override_weight_regex(override.pattern)}, override_dtype, False, priority=3, **common,
                          **_strategy_kwargs(override.granularity, override.block_size))
         recipe.add_regex({override.pattern}, override_dtype, False, priority=2, **common,
                          granularity=upstream.QuantGranularity.PER_TENSOR)
@@ -197,17 +198,16 @@ def check_overrides_match(quant: QuantConfig, shapes: dict) -> None:
     """Every override must select at least one weight layer of the model: a pattern that matches nothing (a typo, a
     layer name of another family) would silently leave the recipe at its default scheme. `shapes` as for
     check_block_sizes."""
-    from qexp.transforms.grid import static_module_path
+    from qexp.transforms.grid import override_weight_regex, static_module_path, weight_layers
 
     if quant.scheme == NO_QUANT or not quant.overrides:
         return
-    paths = [static_module_path(key) for key, shape in shapes.items()
-             if len(shape) == 2 and (key.startswith("layers.") or key == "output.weight")]
+    paths = [static_module_path(key) for key in weight_layers(shapes)]
     if not paths:
         return
     for override in quant.overrides:
         try:
-            pattern = re.compile(f"(?=.*conv$)(?:{override.pattern})")
+            pattern = re.compile(override_weight_regex(override.pattern))
         except re.error as exc:
             raise ConfigError(f"quant.overrides pattern {override.pattern!r} is not a valid regex ({exc})") from None
         if not any(pattern.search(path) for path in paths):
@@ -220,16 +220,14 @@ def check_block_sizes(quant: QuantConfig, shapes: dict) -> None:
     """Every per-block weight's input channels must split into whole blocks: one line naming the layer and the sizes
     that would fit. `shapes`: Meta weight name -> shape, from the model's metadata before any work
     (qexp/models/shapes.py) and again from the loaded weights."""
-    from qexp.transforms.grid import grid_for, static_module_path
+    from qexp.transforms.grid import grid_for, static_module_path, weight_layers
 
     if quant.scheme == NO_QUANT:
         return
-    for key, shape in shapes.items():
-        if len(shape) != 2 or not (key.startswith("layers.") or key == "output.weight"):
-            continue
+    for key in weight_layers(shapes):
         grid = grid_for(quant, key)
-        if grid is not None and grid.block_size and shape[1] % grid.block_size:
-            cols = shape[1]
+        cols = shapes[key][1]
+        if grid is not None and grid.block_size and cols % grid.block_size:
             fits = [b for b in (16, 32, 48, 64, 96, 128, 192, 256) if cols % b == 0]
             raise ConfigError(f"block_size={grid.block_size} does not divide the {cols} input channels of "
                               f"{static_module_path(key)}", f"use a block size that divides it, e.g. {fits}")

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from qexp.config import BlockScaleRounding
 from qexp.errors import ConfigError
-from qexp.quant.lpbq import SCALE_STEPS
+from qexp.quant.lpbq import SCALE_STEPS, scale_steps
 from qexp.transforms.base import GridSearchTransform, TransformConfig, register_transform
 from qexp.transforms.capture import LayerByLayer, private_static
 from qexp.transforms.grid import SCALE_EPS, WeightGrid, grid_for, layer_linears
@@ -110,10 +110,8 @@ class LpbqRow:
         self.anchor = original_scales.argmax(-1)
 
     def encode(self, scale: torch.Tensor, block: int, rounding: BlockScaleRounding) -> torch.Tensor:
-        ratio = scale / self.unit
-        steps = torch.round(ratio) if rounding == BlockScaleRounding.nearest else torch.ceil(ratio - 1e-4)
-        steps = torch.where(self.anchor == block, torch.full_like(steps, SCALE_STEPS), steps.clamp(1, SCALE_STEPS))
-        return steps * self.unit
+        steps = scale_steps(scale / self.unit, rounding)
+        return torch.where(self.anchor == block, torch.full_like(steps, SCALE_STEPS), steps) * self.unit
 
 
 @register_transform

@@ -4,7 +4,7 @@ QnnQuantizer quantizes every linear (a 1x1 conv in the static llama) symmetrical
 of `block_size` input channels (LPBQ), with ints in [-(2^(b-1) - 1), 2^(b-1) - 1] and scale = absmax / qmax
 (its PerChannel/PerBlockParamObserver; 4-bit is [-7, 7], not [-8, 7]). Per-block scales are then stored
 as HTP's LPBQ encoding does (4-bit multiples of a per-channel unit, qexp/quant/lpbq.py), and searched that way. Per-layer overrides (the 8-bit lm head of the
-shipped recipes) apply as in qexp/quant/recipe.py: the first matching override pattern wins.
+shipped recipes) apply as in qexp/quant/recipe.py: the last matching override pattern wins, as in QnnQuantizer.
 
 Also here: the names that tie the Meta-layout state dict (what transforms edit) to the static llama's modules (what
 QnnQuantizer annotates): `layers.3.attention.wq.weight` <-> `layers.3.attention.wq_conv`.
@@ -39,6 +39,19 @@ def static_module_path(meta_key: str) -> str:
         return "output.conv"
     prefix, name, _ = meta_key.rsplit(".", 2)
     return f"{prefix}.{name}_conv"
+
+
+def override_weight_regex(pattern: str) -> str:
+    """The regex an override's weight rule matches module paths with: the pattern, limited to conv modules (a module
+    path also matches the non-weight ops inside it, which have no channel axis; lookahead paths end in "conv")."""
+    return f"(?=.*conv$)(?:{pattern})"
+
+
+def weight_layers(shapes: dict) -> list:
+    """The Meta names of the quantized linear weights among `shapes` (Meta name -> shape): the decoder layers' and
+    the lm head's."""
+    return [key for key, shape in shapes.items()
+            if len(shape) == 2 and (key.startswith("layers.") or key == "output.weight")]
 
 
 def weight_bits(scheme: str) -> int:
@@ -95,7 +108,7 @@ def grid_for(quant_cfg, meta_key: str) -> Optional[WeightGrid]:
     path = static_module_path(meta_key)
     # the last matching override wins, as in QnnQuantizer (strategies of equal priority: the later one first)
     for override in reversed(list(quant_cfg.overrides)):
-        if re.search(f"(?=.*conv$)(?:{override.pattern})", path):
+        if re.search(override_weight_regex(override.pattern), path):
             block = override.block_size if override.granularity == Granularity.per_block else None
             return WeightGrid(weight_bits(override.scheme), block, _rounding(quant_cfg))
     block = quant_cfg.block_size if quant_cfg.weight_granularity == Granularity.per_block else None
