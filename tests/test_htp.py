@@ -116,6 +116,23 @@ def test_parallel_lowering_and_speed_ups_leave_the_program_unchanged(deployed, t
     assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
 
 
+def test_sharded_program_gives_the_same_outputs(deployed, tiny_model, tmp_path):
+    """backend.num_sharding (upstream's --num_sharding): each graph split into QNN contexts at a layer boundary, with
+    ExecuTorch's llama.fallback op between them on the CPU; the cut edge stays quantized, so the outputs are the
+    unsharded program's, bit for bit."""
+    cfg, static, qdq, program, runner, windows = deployed
+    assert {g["qnn_contexts"] for g in program.meta["delegation"].values()} == {1}
+    cfg = cfg.copy()
+    cfg.backend.num_sharding = 2
+    sharded = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
+    assert not sharded.cache_hit and sharded.meta["lowering"]["num_sharding"] == 2
+    assert {g["qnn_contexts"] for g in sharded.meta["delegation"].values()} == {2}
+    other = HtpRunner(sharded)
+    ids = windows.ids[0][:20]
+    assert torch.equal(other.prefill_logits(ids), runner.prefill_logits(ids))
+    assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
+
+
 def test_parallel_lowering_steps_back_without_memory(monkeypatch, caplog):
     """Not enough memory for a compile worker: the graphs are lowered one after the other, with one warning (_lower
     asks this before forking; the test on the emulator above covers both lowerings)."""
@@ -191,6 +208,8 @@ def test_unknown_soc_lists_valid(compose):
 @pytest.mark.parametrize("override,match", [
     ("quant=fp32", "quantized scheme"),
     ("backend.max_seq_len=128", "calibrated for"),
+    ("backend.num_sharding=0", "num_sharding=0"),
+    ("backend.num_sharding=99", "use 1 to the model's 2 layers"),
 ])
 def test_bad_htp_configs(compose, override, match):
     from qexp.errors import ConfigError

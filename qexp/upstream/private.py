@@ -161,6 +161,9 @@ def executorch_backend_config():
 # ---------------------------------------------------------------- ExecuTorch runtime (pybindings)
 def load_program(path: str):
     """A .pte as an ExecuTorch module through the pybindings (`_load_for_executorch` is their only loader)."""
+    # llama::fallback.out, the CPU identity op between the QNN contexts of a sharded program (backend.num_sharding):
+    # registered into the pybindings' kernel registry by loading ExecuTorch's custom-ops library
+    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
     from executorch.extension.pybindings.portable_lib import _load_for_executorch
 
     return _load_for_executorch(str(path))

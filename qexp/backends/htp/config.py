@@ -54,6 +54,9 @@ class HtpConfig(BackendConfig):
     # graphs lowered at once, each in its own process (hybrid/lookahead have two; QNN lowering is single-threaded
     # Python work): 1 = upstream's one-process lowering, one QNN context shared by the graphs
     compile_workers: int = 2
+    # QNN contexts per graph, split evenly by decoder layers (upstream's --num_sharding: ExecuTorch's SplitGraph pass
+    # and multi-context HTP specs). Each shard is compiled on its own, so the compile's peak memory is one shard's.
+    num_sharding: int = 1
     target: Target = Target.x86_emulator
     pte_path: Optional[str] = None  # run this pre-generated .pte instead of compiling
     # On-target perplexity is scored on a head of the evaluation windows: this many tokens through the AR-N prefill

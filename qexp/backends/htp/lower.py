@@ -55,6 +55,7 @@ PREFILL_GRAPH = "prefill_forward"
 PTE_FILE = "model.pte"
 META_FILE = "meta.json"
 _LOWER_CACHE_VERSION = 2  # 2: I/O bit widths from the encodings
+LAYER_PATTERN = r"^layers\.(\d+)"  # the static llama's decoder layers (module names), where shards are cut
 
 
 def graph_ar_lens(backend) -> Dict[str, int]:
@@ -190,7 +191,11 @@ def compile_pte(
         "context": context, "w4_lowering": backend.w4_lowering.value, "qnn": sdk.version, "versions": versions,
         # a QNN context per graph (parallel lowering) or one shared by all graphs: a different program layout
         **({"contexts": "per_graph"} if workers > 1 else {}),
+        **({"num_sharding": backend.num_sharding} if backend.num_sharding > 1 else {}),
     }, length=24)
+    if backend.num_sharding > model.params["n_layers"]:  # validation checks it when the metadata says the layers
+        raise ConfigError(f"backend.num_sharding={backend.num_sharding}",
+                          f"use 1 to the model's {model.params['n_layers']} layers (1 = no sharding)")
 
     def build(tmp: Path) -> dict:
         stats = torch.load(qdq.stats_path, weights_only=True)
@@ -210,7 +215,8 @@ def compile_pte(
             "encodings": {name: g["encodings"] for name, g in graphs.items()}, "delegation": delegation,
             "soc": backend.soc.value, "qnn": sdk.version, "qdq_key": qdq.key,
             "sliding_window": first["meta"].get("get_sliding_window"),
-            "lowering": {"workers": used, "contexts": "per_graph" if used > 1 else "shared"},
+            "lowering": {"workers": used, "contexts": "per_graph" if used > 1 else "shared",
+                         "num_sharding": backend.num_sharding},
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
         return {"pte_bytes": len(buffer)}
@@ -244,14 +250,31 @@ def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, sta
     kv_type = torch.uint8 if io_bits(encodings["kv_range"]) == 8 else torch.uint16
     io_type = torch.uint8 if io_bits(encodings["logits_range"]) == 8 else torch.uint16
     passes, deps = quant_io_passes(meta, cfg.model.arch, ar_len, context, kv_type, io_type)
+    if backend.num_sharding > 1:
+        shard_graph(passes, deps, static.n_layers, backend.num_sharding)
     spec = generate_qnn_executorch_compiler_spec(
         soc_model=getattr(upstream.QcomChipset, backend.soc.value),
-        backend_options=generate_htp_compiler_spec(use_fp16=False, use_weight_sharing=False),
+        backend_options=generate_htp_compiler_spec(use_fp16=False, use_weight_sharing=False,
+                                                   use_multi_contexts=backend.num_sharding > 1),
         shared_buffer=False,  # the x86 emulator supports neither shared buffers nor weight sharing
         use_mha2sha=True,
     )
     return {"module": converted, "inputs": static.example_inputs(), "passes": passes, "deps": deps, "spec": spec,
             "meta": meta, "encodings": encodings}
+
+
+def shard_graph(passes: dict, deps: dict, n_layers: int, shares: int) -> None:
+    """Cut the graph into `shares` QNN contexts at decoder-layer boundaries, as upstream's --num_sharding
+    (TextDecoder.__init__): ExecuTorch's SplitGraph pass puts a `llama.fallback` identity op (run on the CPU) before
+    every shard's first layer, after the QDQ nodes are folded and before the I/O is tagged (the cut edges stay
+    quantized at the I/O bit width)."""
+    from executorch.backends.qualcomm._passes import FoldQDQ, TagQuantIO
+    from executorch.extension.llm.custom_ops.model_sharding import get_split_graph_pass
+
+    split_graph, setting = get_split_graph_pass(n_layers, shares=shares, pattern=LAYER_PATTERN)
+    passes[split_graph] = setting
+    deps[split_graph] = [FoldQDQ]
+    deps[TagQuantIO] = [split_graph]
 
 
 def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: bool, workers: int = 1):
@@ -289,8 +312,11 @@ def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: 
                 done(together)
     delegation = {}
     for name in graphs:
-        info = get_delegation_info(edge.exported_program(name).graph_module)
-        delegation[name] = {"delegated": info.num_delegated_nodes, "non_delegated": info.num_non_delegated_nodes}
+        graph_module = edge.exported_program(name).graph_module
+        info = get_delegation_info(graph_module)
+        delegation[name] = {"delegated": info.num_delegated_nodes, "non_delegated": info.num_non_delegated_nodes,
+                            "qnn_contexts": sum(1 for n in graph_module.graph.nodes
+                                                if n.op == "call_function" and "call_delegate" in str(n.target))}
     with timer.stage("to_executorch"):
         program = edge.to_executorch(executorch_backend_config())
     return program.buffer, delegation, workers
