@@ -1,0 +1,74 @@
+"""Diagnostic: does GPTQ's layer-wise objective carry over from the calibration tokens to held-out tokens?
+
+For a few decoder layers of the configured model, every linear is quantized onto its QNN grid by round-to-nearest,
+by GPTQ in column order (dynamic block scales) and by GPTQ with act_order, each from the Hessian of the calibration
+tokens. Prints the relative output error ||(W - Q) X|| ^ 2 / ||W X|| ^ 2 of each on the calibration tokens and on the
+first evaluation windows (held out), the layers' inputs taken from the float model. This is how qexp found why
+GPTQ in column order lost to RTN on SmolLM2 (qexp/transforms/gptq.py's docstring): the down projections overfit
+the calibration Hessian.
+
+    .venv/bin/python benchmarks/diag_gptq_heldout.py                       # SmolLM2, LPBQ block 32
+    .venv/bin/python benchmarks/diag_gptq_heldout.py --layers 0,5 quant=16a4w calibration.limit=32
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def relative_error(w: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> float:
+    return float(((w - q) @ x.T).pow(2).sum() / (w @ x.T).pow(2).sum())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default="0,1,2,5,15,29")
+    parser.add_argument("--held-out-windows", type=int, default=8)
+    parser.add_argument("overrides", nargs="*", default=[])
+    args = parser.parse_args()
+
+    from hydra import compose, initialize_config_dir
+
+    from qexp.pipeline import prepare
+    from qexp.transforms.capture import LayerByLayer, private_static
+    from qexp.transforms.gptq import INPUT_OF, gptq_quantize, hessian
+    from qexp.transforms.grid import grid_for, layer_linears
+
+    overrides = args.overrides or ["quant=16a4w_block", "quant.block_size=32", "calibration.sampling=spread"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, "backend=none"])
+    state = prepare(cfg, "calibration")
+    model = state.model
+    layers = sorted(int(i) for i in args.layers.split(","))
+    static = private_static(model, cfg.export.max_context_len, cfg.model.r3)
+    calibration = LayerByLayer(static, state.calibration.samples)
+    held_out = LayerByLayer(static, [[int(t) for t in w] for w in state.windows.ids[: args.held_out_windows]])
+    print("layer linear | calibration: rtn gptq act_order | held out: rtn gptq act_order")
+    for i in range(min(layers[-1] + 1, model.params["n_layers"])):
+        if i not in layers:
+            calibration.run(i, inputs=(), advance=True)
+            held_out.run(i, inputs=(), advance=True)
+            continue
+        xc, xh = calibration.run(i, advance=True), held_out.run(i, advance=True)
+        for key in layer_linears(i):
+            grid = grid_for(cfg.quant, key)
+            if grid is None or grid.bits >= 16:
+                continue
+            name = INPUT_OF[key.rsplit(".", 2)[1]]
+            w, h = model.state_dict[key].float(), hessian(xc[name])
+            quantized = {"rtn": grid.quantize(w), "gptq": gptq_quantize(w, h, grid)[0],
+                         "act_order": gptq_quantize(w, h, grid, act_order=True)[0]}
+            cal = " ".join(f"{relative_error(w, q, xc[name]):.2e}" for q in quantized.values())
+            held = " ".join(f"{relative_error(w, q, xh[name]):.2e}" for q in quantized.values())
+            print(f"{i:5d} {key.rsplit('.', 2)[1]:6s} | {cal} | {held}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
