@@ -3,6 +3,7 @@ the module that does the work, and records what it produced: metrics, tags, para
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 
@@ -205,7 +206,7 @@ def qdq(state) -> None:
         result = evaluate(lambda ids: window_logits(folded, static, ids), state.windows, "QDQ",
                           keep_logits=SQNR_WINDOWS)
         del folded
-    state.qdq = QdqPhase(program, result, static)
+    state.qdq = QdqPhase(program, result, static, static.r3)
     metrics = state.metrics
     metrics.update({**phase_metrics(result, "qdq"), **compare(result, state.fp, "qdq", "fp")})
     log.info("QDQ: ppl %.3f (%+.2f%% vs FP, 95%% interval [%+.2f, %+.2f])  word_ppl %.3f  logits SQNR %.1f dB",
@@ -235,6 +236,12 @@ def deploy(state) -> None:
         return
     from qexp.tracking.runlog import native_output_captured
 
+    # The FP and QDQ phases' float programs are not read again (their results are): free them before the backend's
+    # memory peak, the compile.
+    state.fp_static = state.static = None
+    if state.qdq is not None:
+        state.qdq.release_programs()
+    gc.collect()
     inputs = PhaseInputs(state.cfg, state.deploy_model, state.windows, state.fp, state.qdq, state.cache, state.timer,
                          library_versions())
     log.info("stage deploy (%s): native library output goes to the run's native.log (verbose=true shows it)",

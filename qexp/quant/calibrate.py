@@ -13,7 +13,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -37,7 +37,7 @@ EXPORT_STRICT = False
 
 @dataclass
 class QuantizedModel:
-    module: torch.fx.GraphModule  # the QDQ program (fake-quantized ops, runs on CPU)
+    module: Optional[torch.fx.GraphModule]  # the QDQ program (fake-quantized ops, runs on CPU); None once released
     stats_path: Path  # the cached observer statistics it was built from
     key: str
     cache_hit: bool

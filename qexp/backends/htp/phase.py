@@ -58,7 +58,7 @@ def run_phase(inputs: PhaseInputs, adb=None) -> PhaseResult:
         if backend.pte_path:
             program = load_program(backend.pte_path)
         else:
-            program = compile_pte(inputs.model, cfg, inputs.qdq.program, inputs.qdq.static.r3, inputs.cache, timer,
+            program = compile_pte(inputs.model, cfg, inputs.qdq.program, inputs.qdq.r3, inputs.cache, timer,
                                   inputs.versions)
     result.tags.update({"pte_cache_key": program.key, "pte_cache_hit": str(program.cache_hit).lower()})
     result.metrics["pte_bytes"] = program.pte_bytes
