@@ -97,3 +97,13 @@ def test_an_override_selecting_no_layer_is_refused_before_work(compose):
     with pytest.raises(ConfigError, match=r"matches no weight layer of this model.*layers\.N\.feed_forward\.w2_conv"):
         validate(cfg)
     assert static_module_path("layers.0.feed_forward.w2.weight") == "layers.0.feed_forward.w2_conv"
+
+
+def test_shipped_gemma_has_its_lm_head_before_loading(compose):
+    """Gemma-3-270m's GGUF has no `gemma3.vocab_size` and ties its lm head to the embedding: the metadata shapes
+    still list the lm head (vocabulary from the token list), so the recipes' lm-head override validates."""
+    from qexp.models.shapes import linear_shapes
+
+    cfg = compose(["model=gemma3_270m", "quant=16a4w_block", "quant.block_size=64", "backend=none"])
+    assert linear_shapes(cfg.model)["output.weight"] == (262144, 640)
+    validate(cfg)

@@ -55,10 +55,11 @@ def _read_dims(cfg: ModelConfig) -> Optional[dict]:
             field = fields.get(f"{arch}.{key}")
             return int(field.parts[field.data[0]][0]) if field is not None and field.data else None
 
+        tokens = fields.get("tokenizer.ggml.tokens")  # `<arch>.vocab_size` is optional (Gemma 3's GGUF omits it)
         return {"n_layers": value("block_count"), "dim": value("embedding_length"),
                 "hidden_dim": value("feed_forward_length"), "n_heads": value("attention.head_count"),
                 "n_kv_heads": value("attention.head_count_kv"), "head_dim": value("attention.key_length"),
-                "vocab_size": value("vocab_size")}
+                "vocab_size": value("vocab_size") or (len(tokens.data) if tokens is not None else None)}
     if cfg.source == ModelSource.meta_checkpoint and cfg.params and os.path.isfile(os.path.expanduser(cfg.params)):
         p = json.loads(open(os.path.expanduser(cfg.params)).read())
         return {"n_layers": p.get("n_layers"), "dim": p.get("dim"), "hidden_dim": p.get("hidden_dim"),
@@ -82,6 +83,7 @@ def linear_shapes(cfg: ModelConfig) -> Optional[Shapes]:
                        prefix + "feed_forward.w1.weight": (hidden, dim),
                        prefix + "feed_forward.w3.weight": (hidden, dim),
                        prefix + "feed_forward.w2.weight": (dim, hidden)})
-    if d.get("vocab_size"):
-        shapes["output.weight"] = (d["vocab_size"], dim)
+    # Every static llama has an lm head (`output.conv`, tied to the embedding or not); the checks read only its input
+    # channels, so an unknown vocabulary size is recorded as 0 output channels.
+    shapes["output.weight"] = (max(int(d.get("vocab_size") or 0), 0), dim)
     return shapes
