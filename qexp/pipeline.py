@@ -232,7 +232,8 @@ def execute(state: RunState) -> ExperimentResult:
 
 def prepare(cfg: DictConfig, through: str = "qdq") -> RunState:
     """Run the stages up to and including `through` (one of STAGES), untracked: a public entry point for benchmarks
-    and notebooks that need a run's intermediate objects (windows, FP result, QDQ program, ...)."""
+    and notebooks that need a run's intermediate objects (windows, FP result, QDQ program, ...). Stop at "qdq" to keep
+    the float programs: the deploy stage frees them (QdqPhase.release_programs) before the backend compiles."""
     from qexp.stages import STAGE_FUNCTIONS
 
     if through not in STAGES:
