@@ -24,7 +24,8 @@ class HtpBackend(Backend):
         return cfg.backend.soc.value
 
     def validate(self, cfg) -> None:
-        from qexp.backends.htp.lower import KV_GRAPH, graph_ar_lens
+        from qexp.backends.htp.lower import KV_GRAPH, check_num_sharding, graph_ar_lens
+        from qexp.models.shapes import linear_shapes
         from qexp.models.static_llama import uses_r3
 
         backend, bench = cfg.backend, cfg.backend.bench
@@ -49,7 +50,9 @@ class HtpBackend(Backend):
                 "set model.recompose_hadamard=false (the rotation stays a matmul: same weights, same math)",
             )
         _check_lpbq_block_sizes(cfg.quant)
-        _check_num_sharding(backend.num_sharding, cfg.model)
+        shapes = linear_shapes(cfg.model)  # None when the metadata does not say; the lowering checks again
+        check_num_sharding(backend.num_sharding,
+                           sum(1 for k in shapes if k.endswith("attention.wq.weight")) if shapes else None)
         decode_ar = graph_ar_lens(backend)[KV_GRAPH]
         if backend.model_mode == ModelMode.lookahead:
             if backend.ngram < 2 or backend.window < 1 or backend.gcap < 1:
@@ -70,16 +73,6 @@ class HtpBackend(Backend):
         from qexp.backends.htp.phase import run_phase
 
         return run_phase(inputs)
-
-
-def _check_num_sharding(num_sharding: int, model) -> None:
-    from qexp.models.shapes import linear_shapes
-
-    shapes = linear_shapes(model)  # None when the metadata does not say; the lowering checks again
-    n_layers = sum(1 for k in shapes if k.endswith("attention.wq.weight")) if shapes else None
-    if num_sharding < 1 or (n_layers and num_sharding > n_layers):
-        limit = f"1 to the model's {n_layers} layers" if n_layers else "1 or more"
-        raise ConfigError(f"backend.num_sharding={num_sharding}", f"use {limit} (1 = no sharding)")
 
 
 # LPBQ block sizes this QNN SDK's x86 HTP emulator runs correctly. Block 64 segfaults it (`thr_hvx` in

@@ -193,9 +193,7 @@ def compile_pte(
         **({"contexts": "per_graph"} if workers > 1 else {}),
         **({"num_sharding": backend.num_sharding} if backend.num_sharding > 1 else {}),
     }, length=24)
-    if backend.num_sharding > model.params["n_layers"]:  # validation checks it when the metadata says the layers
-        raise ConfigError(f"backend.num_sharding={backend.num_sharding}",
-                          f"use 1 to the model's {model.params['n_layers']} layers (1 = no sharding)")
+    check_num_sharding(backend.num_sharding, model.params["n_layers"])  # validation could not if the metadata is mute
 
     def build(tmp: Path) -> dict:
         stats = torch.load(qdq.stats_path, weights_only=True)
@@ -263,6 +261,13 @@ def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, sta
             "meta": meta, "encodings": encodings}
 
 
+def check_num_sharding(num_sharding: int, n_layers) -> None:
+    """backend.num_sharding must be 1 (no sharding) up to the model's decoder layers (None: not known yet)."""
+    if num_sharding < 1 or (n_layers and num_sharding > n_layers):
+        limit = f"1 to the model's {n_layers} layers" if n_layers else "1 or more"
+        raise ConfigError(f"backend.num_sharding={num_sharding}", f"use {limit} (1 = no sharding)")
+
+
 def shard_graph(passes: dict, deps: dict, n_layers: int, shares: int) -> None:
     """Cut the graph into `shares` QNN contexts at decoder-layer boundaries, as upstream's --num_sharding
     (TextDecoder.__init__): ExecuTorch's SplitGraph pass puts a `llama.fallback` identity op (run on the CPU) before
@@ -312,11 +317,9 @@ def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: 
                 done(together)
     delegation = {}
     for name in graphs:
-        graph_module = edge.exported_program(name).graph_module
-        info = get_delegation_info(graph_module)
+        info = get_delegation_info(edge.exported_program(name).graph_module)
         delegation[name] = {"delegated": info.num_delegated_nodes, "non_delegated": info.num_non_delegated_nodes,
-                            "qnn_contexts": sum(1 for n in graph_module.graph.nodes
-                                                if n.op == "call_function" and "call_delegate" in str(n.target))}
+                            "qnn_contexts": info.num_delegated_subgraphs}
     with timer.stage("to_executorch"):
         program = edge.to_executorch(executorch_backend_config())
     return program.buffer, delegation, workers
