@@ -1,6 +1,7 @@
 """QDQ evaluation throughput: the converted program as convert_pt2e leaves it (every weight dequantized on every
-forward) against the copy the QDQ stage evaluates (weights dequantized once, qexp/quant/fold.py), side by side on the
-same windows in one process, alternating, with the FP static llama for reference. Also checks the two programs'
+forward) against the copy the QDQ stage evaluates (weights dequantized once, each activation's quantize/dequantize
+pair one fake_quantize op: qexp/quant/fold.py) and against the copy with only the weights folded, side by side on the
+same windows in one process, alternating, with the FP static llama for reference. Also checks the programs'
 logits are bit-identical. Prints seconds per window and the ratios, and logs them to the MLflow experiment
 `benchmarks`. Run it on an otherwise idle machine: with another job on the same cores, PyTorch's OpenMP threads
 wait for each other and small ops slow down by 10x or more.
@@ -46,8 +47,11 @@ def main() -> None:
     state = prepare(cfg, "qdq")
     program, static = state.qdq.program.module, state.qdq.static
     folded = with_weights_dequantized(program)
+    weights_only = with_weights_dequantized(program, fuse_activations=False)
     windows = state.windows.ids.tolist()
-    same = all(torch.equal(window_logits(program, static, w), window_logits(folded, static, w)) for w in windows[:1])
+    reference = [window_logits(program, static, w) for w in windows[:1]]
+    same = all(torch.equal(r, window_logits(m, static, w)) for m in (folded, weights_only)
+               for r, w in zip(reference, windows[:1]))
 
     def per_window(module) -> float:
         start = time.perf_counter()
@@ -55,14 +59,17 @@ def main() -> None:
             window_logits(module, static, ids)
         return (time.perf_counter() - start) / len(windows)
 
-    times = {"fp": [], "program": [], "folded": []}
+    times = {"fp": [], "program": [], "weights_only": [], "folded": []}
     for _ in range(args.rounds):
-        for label, module in (("fp", state.fp_static.module), ("program", program), ("folded", folded)):
+        for label, module in (("fp", state.fp_static.module), ("program", program), ("weights_only", weights_only),
+                              ("folded", folded)):
             times[label].append(per_window(module))
     median = {label: statistics.median(values) for label, values in times.items()}
     figures = {
         "fp_s_per_window": median["fp"], "qdq_program_s_per_window": median["program"],
+        "qdq_weights_folded_s_per_window": median["weights_only"],
         "qdq_folded_s_per_window": median["folded"], "speedup_folded_vs_program": median["program"] / median["folded"],
+        "speedup_weights_folded_vs_program": median["program"] / median["weights_only"],
         "qdq_folded_vs_fp": median["folded"] / median["fp"], "logits_bit_identical": float(same),
     }
     for key, value in figures.items():

@@ -1,4 +1,4 @@
-"""Dequantize the QDQ program's weights once, not on every forward.
+"""Dequantize the QDQ program's weights once, not on every forward; fake-quantize activations in one op.
 
 `convert_pt2e` leaves each weight as an integer constant followed by a `dequantize_per_channel` (or per-tensor /
 per-block) op, so every forward of the program dequantizes every weight again: for Gemma-3-270m's tied output alone
@@ -7,6 +7,13 @@ with the very same op and feeding the float tensor to its consumers gives bit-id
 quantize/dequantize pairs, which depend on the input, stay). The evaluation runs a folded copy
 (`with_weights_dequantized`); the program itself keeps its integer weights (the encodings table and the tests read
 them).
+
+Each activation's quantize -> dequantize pair (`quantized_decomposed` ops, written in Python: eight elementwise
+passes over the tensor, six fresh tensors and two dispatches into Python) becomes one call of `fake_quantize`: the
+same float32 operations in place on one tensor, round(x * (1.0 / s)), clamped to [lo - zp, hi - zp], times s. Adding
+zp before the clamp and subtracting it after are exact on these integer values, so they cancel; the result is the
+pair's bit for bit. (ATen's fused fake_quantize_per_tensor_affine would be one kernel, but measured 1.4x slower than
+the pair on SmolLM2: it also writes a mask.)
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ def constant_value(module: torch.fx.GraphModule, arg):
     return arg
 
 
-def with_weights_dequantized(module: torch.fx.GraphModule, htp_exact_w4_lowering: str | None = None):
+def with_weights_dequantized(module: torch.fx.GraphModule, htp_exact_w4_lowering: str | None = None,
+                             fuse_activations: bool = True):
     """A copy of `module` (its own graph; the tensors shared, not copied) with its weights' dequantize ops folded.
     With `htp_exact_w4_lowering` set, its 16-bit-activation layers first get HTP's integer arithmetic
     (qexp.quant.htp_arithmetic, eval.htp_exact) for that 4-bit lowering. The graph is copied node by node with shallow metadata: `copy.deepcopy` of a SmolLM2 program's graph (3,400
@@ -46,6 +54,8 @@ def with_weights_dequantized(module: torch.fx.GraphModule, htp_exact_w4_lowering
 
         folded.htp_counts = model_htp_arithmetic(folded, htp_exact_w4_lowering)
     fold_weight_dequantize(folded)
+    if fuse_activations:  # off only to measure what it saves (benchmarks/bench_qdq_eval.py)
+        fuse_activation_fake_quant(folded)
     return folded
 
 
@@ -83,3 +93,61 @@ def fold_weight_dequantize(module: torch.fx.GraphModule) -> int:
     graph.lint()
     module.recompile()
     return folded
+
+
+_QUANTIZE = "quantized_decomposed.quantize_per_tensor.default"
+_DEQUANTIZE = "quantized_decomposed.dequantize_per_tensor.default"
+
+
+def fake_quantize(x: torch.Tensor, scale: float, zero_point: int, quant_min: int, quant_max: int) -> torch.Tensor:
+    """dequantize_per_tensor(quantize_per_tensor(x, ...)) of a float32 tensor, bit for bit, in one buffer."""
+    out = x * (1.0 / scale)  # as quantize_per_tensor: the reciprocal in double, the product in float32
+    out.round_()
+    out.clamp_(quant_min - zero_point, quant_max - zero_point)
+    return out.mul_(scale)
+
+
+def _is_float32(node) -> bool:
+    """Whether a graph value is a float32 tensor: from the export's metadata, or because it is a fake quantize or a
+    dequantize (to float32) output (requantized activations: a pair fed by another pair)."""
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if node.target is fake_quantize:
+        return True
+    if str(node.target) == _DEQUANTIZE and node.kwargs.get("out_dtype") in (None, torch.float32):
+        return True
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.dtype == torch.float32
+
+
+def fuse_activation_fake_quant(module: torch.fx.GraphModule) -> int:
+    """Replace, in place, each dequantize_per_tensor(quantize_per_tensor(x, s, zp, lo, hi, dtype), the same qparams)
+    of a float32 activation by fake_quantize(x, s, zp, lo, hi): bit-identical (module docstring).
+    Returns how many dequantize ops were replaced; a quantize op whose outputs all went is dropped."""
+    graph = module.graph
+    fused = 0
+    for dq in list(graph.nodes):
+        if dq.op != "call_function" or str(dq.target) != _DEQUANTIZE or dq.kwargs.get("out_dtype") not in (
+                None, torch.float32):
+            continue
+        q = dq.args[0]
+        if not isinstance(q, torch.fx.Node) or q.op != "call_function" or str(q.target) != _QUANTIZE:
+            continue
+        x, scale, zero_point, quant_min, quant_max, dtype = q.args
+        if tuple(dq.args[1:]) != (scale, zero_point, quant_min, quant_max, dtype) or not all(
+                isinstance(v, (int, float)) for v in (scale, zero_point, quant_min, quant_max)):
+            continue
+        if not _is_float32(x):
+            continue
+        with graph.inserting_before(dq):
+            fake = graph.call_function(fake_quantize,
+                                       (x, float(scale), int(zero_point), int(quant_min), int(quant_max)))
+        fake.meta = dict(dq.meta)
+        dq.replace_all_uses_with(fake)
+        graph.erase_node(dq)
+        if not q.users:
+            graph.erase_node(q)
+        fused += 1
+    graph.lint()
+    module.recompile()
+    return fused
