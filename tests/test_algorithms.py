@@ -18,6 +18,7 @@ from qexp.transforms.awq import awq_loss, search_scale
 from qexp.transforms.grid import WeightGrid, grid_for, layer_linears, static_module_path
 from qexp.transforms.gptq import gptq_quantize, hessian
 from qexp.transforms.smoothquant import smoothing_scales
+from qexp.transforms.weight_clip import mse_scales
 
 
 # ------------------------------------------------------------------ helpers
@@ -170,6 +171,78 @@ def test_gptq_integers_reach_the_qdq_program_exactly(compose):
     assert short_groups > 0  # the case the handover exists for (a row/block never reaching +-qmax) does occur
 
 
+# ------------------------------------------------------------------ weight clipping (GPTQ reference, mse=True)
+def reference_mse_scales(w, qmax, grid=100, maxshrink=0.8, norm=2.4):
+    """gptq/quant.py Quantizer.find_params with sym=True, perchannel=True, mse=True, transcribed, on QNN's grid: the
+    range [-max, max] shrunk by p = 1 - i / grid for i < maxshrink * grid, the error sum |Q(w) - w|^norm per row, the
+    first best kept. Only the grid is QNN's: ints in [-qmax, qmax] with scale p max / qmax, where the reference has
+    [0, 2^b - 1] with zero point 2^(b-1) and scale 2 p max / (2^b - 1)."""
+    xmax = w.abs().amax(1)
+    best = torch.full([w.shape[0]], float("inf"))
+    scale = torch.zeros_like(xmax)
+    for i in range(int(maxshrink * grid)):
+        p = 1 - i / grid
+        scale1 = p * xmax / qmax
+        q = torch.clamp(torch.round(w / scale1[:, None]), -qmax, qmax) * scale1[:, None]
+        err = (q - w).abs().pow(norm).sum(1)
+        tmp = err < best
+        best[tmp], scale[tmp] = err[tmp], scale1[tmp]
+    return scale
+
+
+def test_weight_clip_is_the_gptq_references_mse_search_on_the_qnn_grid():
+    from qexp.quant.lpbq import SCALE_STEPS, quantize_block_scales
+
+    w, x = _outlier_layer(5, out=32, cols=128)
+    per_channel = WeightGrid(4)
+    got = mse_scales(w, per_channel)
+    assert torch.allclose(got[:, 0], reference_mse_scales(w, 7), rtol=1e-6)
+    err = lambda q: (q - w).abs().pow(2.4).sum(1)  # noqa: E731
+    assert (err(per_channel.quantize(w, got)) <= err(per_channel.quantize(w)) + 1e-6).all()
+    assert (got[:, 0] < per_channel.scales(w)[:, 0]).any()  # some rows are clipped
+    # LPBQ blocks: the scales are the row's 4-bit steps of its unit, the largest block keeps 16, so the lowering's
+    # re-encoding is the identity; per block the error is the best of those steps
+    block = WeightGrid(4, 32)
+    got = mse_scales(w, block)
+    unit = block.scales(w).amax(-1, keepdim=True) / SCALE_STEPS
+    steps = got / unit
+    assert torch.allclose(steps, steps.round(), atol=1e-5) and steps.min() >= 1 - 1e-5
+    assert torch.allclose(steps.amax(-1), torch.full((32,), float(SCALE_STEPS)), atol=1e-5)
+    assert torch.allclose(quantize_block_scales(got, block.block_scale_rounding), got, rtol=1e-6)
+    blockwise = lambda q: (q - w).abs().pow(2.4).reshape(32, 4, 32).sum(-1)  # noqa: E731
+    assert (blockwise(block.quantize(w, got)) <= blockwise(block.quantize(w)) + 1e-6).all()
+    assert (got < block.scales(w) - 1e-9).any()
+    # GPTQ after weight_clip rounds onto exactly these scales, in every mode
+    xc = x @ (torch.randn(128, 128, generator=torch.Generator().manual_seed(6)) * 0.3 + torch.eye(128))
+    for act_order in (False, True):
+        q, scales = gptq_quantize(w, hessian(xc), block, act_order=act_order, scales=got)
+        assert torch.equal(scales, got)
+        ints = q / block.expand(got, 128)
+        assert torch.allclose(ints, ints.round(), atol=1e-4) and ints.abs().max() <= 7 + 1e-4
+
+
+@pytest.mark.parametrize("algorithm", ["[weight_clip]", "[rotation,weight_clip,gptq]"])
+def test_searched_scales_reach_the_qdq_program_exactly(compose, algorithm):
+    """weight_clip's scales (also when GPTQ rounds onto them) are the converted program's: its integers are
+    round(w / scale) with them, and some are below QnnQuantizer's own absmax scales."""
+    for quant in (["quant=16a4w"], ["quant=16a4w_block", "quant.block_size=16"]):
+        state = prepare(compose(TINY + quant + [f"algorithm={algorithm}"]), through="qdq")
+        model, static = state.deploy_model, state.static
+        weights = program_weights(state.qdq.program.module)
+        clipped = 0
+        for key in layer_linears(1):
+            grid = grid_for(state.cfg.quant, key)
+            name, ranges = static.static_layout(key, model.weight_ranges[key])
+            _, expected = static.static_layout(key, model.state_dict[key])
+            scales = grid.expand(ranges / grid.qmax, expected.shape[1])
+            expected_ints = torch.clamp(torch.round(expected / scales), -grid.qmax, grid.qmax)
+            ints, program_scales = weights[name]
+            assert torch.equal(ints.reshape(expected_ints.shape).float(), expected_ints), (quant, key)
+            absmax = grid.scales(model.state_dict[key])
+            clipped += int((ranges.reshape(absmax.shape) / grid.qmax < absmax * (1 - 1e-6)).sum())
+        assert clipped > 0, quant
+
+
 # ------------------------------------------------------------------ SmoothQuant (paper Eq. 4)
 def test_smoothquant_scales_and_function(compose):
     x_absmax, w = torch.tensor([8.0, 1.0, 0.5]), torch.tensor([[1.0, 2.0, 4.0]])
@@ -245,6 +318,9 @@ def test_awq_run_logs_the_transformed_float_model_and_beats_rtn_on_logits(compos
     (["quant=16a3w", "backend=htp"], "QDQ-only research scheme"),
     (["quant=16a4w", "+algorithm.awq={n_grids: 3}"], "algorithm.awq"),
     (["quant=16a4w", "algorithm=[seq_mse]", "quant.weight_granularity=per_tensor"], "per-channel or per-block"),
+    (["quant=16a4w", "algorithm=[weight_clip,rotation]"], "rotation after weight_clip would not keep"),
+    (["quant=16a4w", "algorithm=[gptq,awq]"], "awq after gptq would not keep"),
+    (["quant=16a4w", "algorithm=[gptq,seq_mse]"], "seq_mse searches weight scales, and gptq already fixed"),
 ])
 def test_algorithms_refuse_configs_they_cannot_serve(compose, overrides, message):
     with pytest.raises(ConfigError, match=message):

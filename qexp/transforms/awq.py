@@ -26,17 +26,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 from tqdm import tqdm
 
-from qexp.config import BlockScaleRounding
 from qexp.errors import ConfigError
-from qexp.quant.lpbq import SCALE_STEPS
 from qexp.transforms.base import GridSearchTransform, TransformConfig, register_transform
 from qexp.transforms.capture import LayerByLayer, private_static
 from qexp.transforms.grid import WeightGrid, grid_for
+from qexp.transforms.weight_clip import clip_candidates
 
 log = logging.getLogger("qexp")
 
@@ -109,11 +108,7 @@ def search_clip(w: torch.Tensor, grid: WeightGrid, x: torch.Tensor, n_grid: int,
     xb = x.reshape(-1, blocks, size).permute(1, 2, 0)  # [blocks, size, tokens]
     reference = torch.bmm(wb, xb)  # partial outputs per block
     original_max = wb.abs().amax(-1, keepdim=True)  # [blocks, out, 1]
-    if grid.block_size and grid.block_scale_rounding != BlockScaleRounding.float:
-        candidates = _lpbq_clip_candidates(original_max, grid, max_shrink)
-    else:
-        candidates = [(m, m / grid.qmax) for m in
-                      (original_max * (1 - step / n_grid) for step in range(int(max_shrink * n_grid)))]
+    candidates = clip_candidates(original_max, grid, n_grid, max_shrink)
     best_max = original_max.clone()
     best_err = torch.full(original_max.shape, float("inf"))
     for max_val, scale in candidates:
@@ -126,30 +121,6 @@ def search_clip(w: torch.Tensor, grid: WeightGrid, x: torch.Tensor, n_grid: int,
         best_max = torch.where(better, max_val, best_max)
     clipped = torch.maximum(torch.minimum(wb, best_max), -best_max)
     return clipped.transpose(0, 1).reshape(out, cols)
-
-
-def _lpbq_clip_candidates(original_max: torch.Tensor, grid: WeightGrid,
-                          max_shrink: float) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """Clip candidates that are LPBQ block scales (qexp/quant/lpbq.py): with per-block scales stored as q * unit
-    (q = 1..16, unit = the row's largest block scale / 16), shrinking a block's max between two steps changes nothing
-    on HTP, and the step the observer then picks must be the one searched. Per block, the candidates are the steps
-    q * unit * qmax from the step its unclipped max gets down to (1 - max_shrink) of that max; the row's largest block
-    keeps its max (clipping it would change the unit of every block in the row). Each candidate is (max |w|, scale),
-    both [blocks, out, 1] like `original_max`; blocks with fewer candidates repeat their last one."""
-    scales = original_max / grid.qmax  # [blocks, out, 1] float block scales
-    unit = scales.amax(0, keepdim=True) / SCALE_STEPS  # [1, out, 1]: per output channel, over its blocks
-    ratio = scales / unit
-    top = torch.ceil(ratio - 1e-4) if grid.block_scale_rounding == BlockScaleRounding.up else torch.round(ratio)
-    top = top.clamp(1, SCALE_STEPS)
-    lowest = torch.ceil(ratio * (1 - max_shrink) - 1e-4).clamp(min=1)
-    is_row_max = scales >= scales.amax(0, keepdim=True)
-    candidates = []
-    for drop in range(SCALE_STEPS):
-        steps = torch.maximum(top - drop, lowest)
-        steps = torch.where(is_row_max, top, steps)
-        # a step at or above the unclipped max is no clip (the observer then picks that step itself)
-        candidates.append((torch.minimum(steps * unit * grid.qmax, original_max), steps * unit))
-    return candidates
 
 
 @register_transform

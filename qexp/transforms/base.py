@@ -60,6 +60,10 @@ class ModelTransform:
     cacheable: ClassVar[bool] = False  # keep the result in the cache (worth it for minutes of work, not seconds)
     acts_on: ClassVar[str] = "model"  # "model": apply() on the float model; "calibration": see CalibrationAlgorithm
     version: ClassVar[int] = 1  # bump when the code changes what it computes: cached results then stop matching
+    # Exact weight scales (LoadedModel.weight_ranges) are only valid for the weights they were chosen for: a transform
+    # that sets them must come after every transform that changes weights without reading them (validate_transforms).
+    sets_weight_ranges: ClassVar[bool] = False
+    uses_weight_ranges: ClassVar[bool] = False  # rounds onto earlier ranges (GPTQ after weight_clip)
 
     def __init__(self, config: Any):
         self.config = config
@@ -146,6 +150,19 @@ def validate_transforms(cfg) -> List[ModelTransform]:
     transforms = build_transforms(cfg.algorithm)
     for transform in transforms:
         transform.validate(cfg)
+    ranges_from = None
+    for transform in model_transforms(transforms):
+        if ranges_from is not None and not transform.uses_weight_ranges:
+            raise ConfigError(f"algorithm order: {transform.name} after {ranges_from} would not keep the weight "
+                              f"scales {ranges_from} chose",
+                              f"put {ranges_from} after {transform.name}, e.g. algorithm=[rotation,weight_clip,gptq]")
+        if transform.sets_weight_ranges:
+            ranges_from = transform.name
+    for algorithm in calibration_algorithms(transforms):  # the handed-over ranges are set after calibration
+        if ranges_from is not None:
+            raise ConfigError(f"algorithm {algorithm.name} searches weight scales, and {ranges_from} already fixed "
+                              "them (its scales would replace the search's)", f"use one of {algorithm.name} and "
+                              f"{ranges_from}")
     return transforms
 
 

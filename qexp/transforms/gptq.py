@@ -25,6 +25,8 @@ calibration tokens GPTQ is 1.9-35x lower, on held-out evaluation tokens 1.1-17x 
 the down projections' error is above RTN's in 4 of the 6 layers (RTN's is 0.61-0.91x of GPTQ's): they overfit the
 calibration Hessian. act_order lowers the held-out error further, mostly of the attention projections (up to 2.3x in
 layer 1), and leaves the down projections as they were (0.9-1.5x).
+After `weight_clip` (`algorithm=[weight_clip,gptq]`, QuaRot's GPTQ with --w_clip) GPTQ rounds onto the scales it
+chose, all fixed before the updates, instead of absmax / qmax.
 Because a row whose updated weights never reach +-qmax would be re-observed by QnnQuantizer with a smaller scale, the
 scales go to the quantize stage as exact weight ranges (LoadedModel.weight_ranges, range = scale x qmax): the
 converted program's integers are GPTQ's.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from tqdm import tqdm
@@ -70,13 +73,15 @@ def hessian(x: torch.Tensor) -> torch.Tensor:
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, grid: WeightGrid, damp: float = 0.01, block_size: int = 128,
-                  act_order: bool = False, static_groups: bool = False):
-    """GPTQ one weight [out, in] given H [in, in]. Returns (quantized weight, scales [out, n_blocks])."""
+                  act_order: bool = False, static_groups: bool = False, scales: Optional[torch.Tensor] = None):
+    """GPTQ one weight [out, in] given H [in, in]. Returns (quantized weight, scales [out, n_blocks]). `scales`
+    ([out, n_blocks], e.g. weight_clip's): round onto these, all fixed before the updates; default absmax / qmax."""
     w = w.double().clone()
     h = h.double().clone()
-    scales = grid.scales(w.float()).double()
+    given = scales is not None
+    scales = (scales.double().clone() if given else grid.scales(w.float()).double())
     column_scale = grid.expand(scales, w.shape[1])
-    dynamic = bool(grid.block_size) and not static_groups and not act_order
+    dynamic = bool(grid.block_size) and not static_groups and not act_order and not given
     if dynamic:  # lazy batches made of whole blocks, so a block's current weights are all in the batch's working copy
         block_size = max(grid.block_size, block_size // grid.block_size * grid.block_size)
         lpbq = LpbqRow(scales) if grid.block_scale_rounding != BlockScaleRounding.float else None
@@ -128,6 +133,8 @@ class Gptq(GridSearchTransform):
     name = "gptq"
     config_class = GptqConfig
     version = 2  # 2: per-block scales chosen when GPTQ reaches each block (static_groups=false)
+    sets_weight_ranges = True  # its scales, exactly (the module docstring)
+    uses_weight_ranges = True  # rounds onto the scales an earlier weight_clip chose
     needs_grid_because = "rounds weights onto a quantization grid"
 
     def validate(self, cfg) -> None:
@@ -150,8 +157,9 @@ class Gptq(GridSearchTransform):
                 if grid is None or grid.bits >= 16:
                     continue
                 h = hessians[INPUT_OF[key.rsplit(".", 2)[1]]]
+                given = model.weight_ranges[key] / grid.qmax if key in model.weight_ranges else None
                 state[key], scales = gptq_quantize(state[key], h, grid, config.damp, config.block_size,
-                                                   config.act_order, config.static_groups)
+                                                   config.act_order, config.static_groups, given)
                 ranges[key] = scales * grid.qmax
             static.update_weights({k: state[k] for k in layer_linears(i)})
             runner.run(i, inputs=(), advance=True)  # the next layer reads this layer's quantized outputs
