@@ -2,7 +2,11 @@
 forward) against the copy the QDQ stage evaluates (weights dequantized once, each activation's quantize/dequantize
 pair one fake_quantize op: qexp/quant/fold.py) and against the copy with only the weights folded, side by side on the
 same windows in one process, alternating, with the FP static llama for reference. Also checks the programs'
-logits are bit-identical. Prints seconds per window and the ratios, and logs them to the MLflow experiment
+logits are bit-identical. Against the CPU's compute limit: the model's FLOPs per token (2 x the matmul weights, the
+lm head included and the embedding lookup not, plus the attention's 4 x layers x context x heads x head_dim, which
+the static llama computes over the whole context) times tokens/s, against the best GFLOP/s torch.mm reaches here on
+the model's own matmul shapes and on a 1024^3 one, with the same threads and kernels. Prints seconds per window and
+the ratios, and logs them to the MLflow experiment
 `benchmarks`. Run it on an otherwise idle machine: with another job on the same cores, PyTorch's OpenMP threads
 wait for each other and small ops slow down by 10x or more.
 
@@ -65,13 +69,21 @@ def main() -> None:
                               ("folded", folded)):
             times[label].append(per_window(module))
     median = {label: statistics.median(values) for label, values in times.items()}
+    flops = flops_per_token(state.model, cfg.export.max_context_len)
+    tokens = len(windows[0])
+    peak = matmul_peak_gflops(tokens, state.model)
     figures = {
         "fp_s_per_window": median["fp"], "qdq_program_s_per_window": median["program"],
         "qdq_weights_folded_s_per_window": median["weights_only"],
         "qdq_folded_s_per_window": median["folded"], "speedup_folded_vs_program": median["program"] / median["folded"],
         "speedup_weights_folded_vs_program": median["program"] / median["weights_only"],
         "qdq_folded_vs_fp": median["folded"] / median["fp"], "logits_bit_identical": float(same),
+        "mflop_per_token": flops / 1e6, "matmul_peak_gflops": peak,
     }
+    for label in ("fp", "program", "folded"):
+        tok_s = tokens / median[label]
+        figures[f"{label}_tok_s"] = tok_s
+        figures[f"{label}_fraction_of_matmul_peak"] = flops * tok_s / 1e9 / peak
     for key, value in figures.items():
         print(f"{key:28s} {value:.3f}")
     with benchmark_run(args.store, "qdq-eval", "qdq_eval", {"overrides": " ".join(overrides),
@@ -80,6 +92,33 @@ def main() -> None:
         import mlflow
 
         mlflow.log_metrics(figures)
+
+
+def flops_per_token(model, context_len: int) -> float:
+    """Multiply-adds x 2 per evaluated token: every 2-D weight of the decoder layers and the lm head (a tied lm head
+    is the embedding matrix), plus q.k and p.v over the whole static context."""
+    sd, p = model.state_dict, model.params
+    matmul = sum(v.numel() for k, v in sd.items() if k.startswith("layers.") and v.dim() == 2)
+    matmul += sd["output.weight"].numel() if "output.weight" in sd else sd["tok_embeddings.weight"].numel()
+    head_dim = p.get("head_dim") or p["dim"] // p["n_heads"]
+    return 2 * matmul + 4 * p["n_layers"] * context_len * p["n_heads"] * head_dim
+
+
+def matmul_peak_gflops(tokens: int, model) -> float:
+    """The best float32 torch.mm throughput over the model's matmul shapes (tokens x in @ in x out) and 1024^3."""
+    shapes = {(tokens, v.shape[1], v.shape[0]) for k, v in model.state_dict.items()
+              if k.startswith("layers.") and v.dim() == 2} | {(1024, 1024, 1024)}
+    best = 0.0
+    for m, k, n in sorted(shapes):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        for _ in range(3):
+            torch.mm(a, b)
+        reps = max(3, int(2e10 / (2 * m * k * n)))
+        start = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b)
+        best = max(best, 2 * m * k * n * reps / (time.perf_counter() - start) / 1e9)
+    return best
 
 
 if __name__ == "__main__":

@@ -111,6 +111,10 @@ class ModelConfig:
     tokenizer: Optional[str] = None  # tokenizer.model (sentencepiece or tiktoken) or tokenizer.json
     add_bos: bool = False  # start every evaluation window with BOS (Llama/Gemma: yes; SmolLM2 was trained without)
     r3: Optional[bool] = None  # SpinQuant R3 Hadamard rotation in attention; null = upstream's value for `arch`
+    # Upstream's masked softmax: the attention's masked logits become (row minimum - 20) through a `where` instead of
+    # the mask being added, so the logits' 16-bit encoding does not have to span the mask's large negative values
+    # (on HTP, QNN >= 2.35 builds it as one MaskedSoftmax). null = upstream's value for `arch`.
+    masked_softmax: Optional[bool] = None
     # Lower the R3 rotation as QNN's HadamardTransform op (upstream's default) or keep it a matmul. QNN 2.49's HTP
     # cannot build the op in SmolLM2's AR-N prefill graph (see qexp/quantize.py), so the smollm2 preset keeps matmul.
     recompose_hadamard: bool = True

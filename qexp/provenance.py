@@ -28,7 +28,7 @@ QDQ_CACHE_VERSION = 3
 # Settings added after runs and cache entries existed: at their default value they are left out of config hashes
 # and cache keys, so earlier runs still match (a sweep skips them) and earlier cache entries stay valid.
 LATER_DEFAULTS = {("quant", "weight_range"): "narrow", ("eval", "htp_exact"): False,
-                  ("backend", "compile_workers"): 2}
+                  ("backend", "compile_workers"): 2, ("model", "masked_softmax"): None}
 
 
 def without_later_defaults(container: dict, prefix: tuple = ()) -> dict:
@@ -141,7 +141,8 @@ def numerics_key() -> str:
 
 def fp_eval_key(cfg: DictConfig, model, static, windows, keep_logits: int) -> str:
     """The FP phase of one model on one set of windows (shared by every run and sweep job that asks for it)."""
-    return stable_hash({"model": model.fingerprint, "arch": cfg.model.arch, "r3": static.r3,
+    extra = {"masked_softmax": True} if static.masked_softmax else {}  # keeps earlier keys valid
+    return stable_hash({**extra, "model": model.fingerprint, "arch": cfg.model.arch, "r3": static.r3,
                         "context": cfg.export.max_context_len, "windows": windows.sha256,
                         "keep_logits": keep_logits, "numerics": numerics_key(), "versions": library_versions()},
                        length=24)
@@ -151,6 +152,8 @@ def qdq_cache_key(cfg: DictConfig, model, static, calibration, soc: str, algorit
     """Everything that determines a calibrated QDQ program (the model's fingerprint includes its transforms;
     `algorithms`: fingerprints of the calibration-time ones, e.g. SeqMSE)."""
     extra = {"calibration_algorithms": list(algorithms)} if algorithms else {}  # keeps earlier keys valid
+    if static.masked_softmax:
+        extra["masked_softmax"] = True
     return stable_hash({
         **extra,
         "version": QDQ_CACHE_VERSION,

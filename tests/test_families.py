@@ -68,13 +68,15 @@ def test_static_graph_perplexity_matches_transformers(family_model, corpus):
     family, model = family_model
     # 64-token windows: longer than the tiny Gemma's 32-token sliding window, so its window mask is exercised
     windows = make_windows(corpus.joined("test"), model.tokenizer, 64, 3, model.add_bos)
-    static = StaticLlama(model, 64)
-    ours = evaluate(lambda ids: window_logits(static.module, static, ids), windows, "static").metrics()
     hf = AutoModelForCausalLM.from_pretrained(model.hf_dir, dtype=torch.float32).eval()
     theirs = evaluate(lambda ids: hf(torch.as_tensor(ids, dtype=torch.long)[None]).logits[0], windows, "hf").metrics()
-    print(f"{family}: ppl static {ours['ppl']:.6f} transformers {theirs['ppl']:.6f}")
-    assert ours["ppl"] == pytest.approx(theirs["ppl"], rel=1e-3), (ours["ppl"], theirs["ppl"])
-    assert 1 < ours["ppl"] < 10 * model.params["vocab_size"]
+    for masked_softmax in (False, True):  # upstream's masked softmax keeps the float function
+        static = StaticLlama(model, 64, masked_softmax=masked_softmax)
+        ours = evaluate(lambda ids: window_logits(static.module, static, ids), windows, "static").metrics()
+        print(f"{family} masked_softmax={masked_softmax}: ppl static {ours['ppl']:.6f} "
+              f"transformers {theirs['ppl']:.6f}")
+        assert ours["ppl"] == pytest.approx(theirs["ppl"], rel=1e-3), (ours["ppl"], theirs["ppl"])
+        assert 1 < ours["ppl"] < 10 * model.params["vocab_size"]
 
 
 @pytest.mark.parametrize("quant", ["16a4w", "8a8w"])
@@ -87,6 +89,24 @@ def test_qdq_run(family, quant, compose):
     print(f"{family} {quant}: ppl_fp {m['ppl_fp']:.4f} ppl_qdq {m['ppl_qdq']:.4f}")
     assert math.isfinite(m["ppl_fp"]) and math.isfinite(m["ppl_qdq"])
     assert m["ppl_qdq"] != m["ppl_fp"]  # quantization did something
+
+
+def test_masked_softmax_is_upstreams_per_arch_and_reaches_the_quantized_graph(compose):
+    """model.masked_softmax: null takes upstream's switch for the arch (qwen3-0_6b: on; the tiny llama's
+    stories260k: off); on, the QDQ program computes the attention's masked logits with a `where` (upstream's
+    MaskedSoftmax pattern) instead of adding the mask; the run tags it."""
+    from qexp.models.static_llama import uses_masked_softmax
+    from qexp.pipeline import prepare
+
+    assert uses_masked_softmax(compose(tiny("qwen3")).model) and not uses_masked_softmax(compose(TINY).model)
+    assert not uses_masked_softmax(compose(tiny("qwen3") + ["model.masked_softmax=false"]).model)
+    ops = {}
+    for masked in ("true", "false"):
+        state = prepare(compose(tiny("qwen3") + ["quant=16a8w", f"model.masked_softmax={masked}"]), "qdq")
+        ops[masked] = {str(n.target) for n in state.qdq.program.module.graph.nodes if n.op == "call_function"}
+        assert state.tags["masked_softmax"] == masked.capitalize()
+    assert any("where" in op for op in ops["true"]) and any("amin" in op for op in ops["true"])
+    assert not any("amin" in op for op in ops["false"])
 
 
 @pytest.mark.parametrize("preset,family", [("qwen2_5_0_5b", "qwen2"), ("qwen3_0_6b", "qwen3"), ("gemma3_1b", "gemma3")])
@@ -176,7 +196,8 @@ def test_htp_runner_sliding_window_mask():
 def test_htp_compile_and_emulator_run(family, compose):
     """The tiny model of each family through the HTP backend (SM8650, hybrid: kv + AR-16 prefill graphs) on the x86
     emulator agrees with its CPU QDQ program (qwen2 with R3 on, kept a matmul; gemma3's 64 tokens span two of its
-    32-token sliding windows, so the runner's window mask counts)."""
+    32-token sliding windows, so the runner's window mask counts; all three with upstream's masked softmax, which
+    their archs turn on)."""
     from qexp.pipeline import run_experiment
 
     result = run_experiment(compose(tiny(family) + [
@@ -186,7 +207,7 @@ def test_htp_compile_and_emulator_run(family, compose):
     m, tags = result.metrics, result.tags
     print(f"{family} htp: ppl_fp {m['ppl_fp']:.4f} ppl_qdq {m['ppl_qdq']:.4f} ppl_deployed {m['ppl_deployed']:.4f} "
           f"vs qdq {m['ppl_deployed_vs_qdq']:+.4f} top1 {m['top1_agreement_deployed_vs_qdq']:.3f}")
-    assert tags["deployed_phase"] == "htp" and tags["target"] == "x86_emulator"
+    assert tags["deployed_phase"] == "htp" and tags["target"] == "x86_emulator" and tags["masked_softmax"] == "True"
     assert abs(m["ppl_deployed_vs_qdq"]) < 0.03 and m["top1_agreement_deployed_vs_qdq"] > 0.7, m
 
 

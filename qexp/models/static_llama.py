@@ -35,6 +35,13 @@ def arch_flags(arch: str) -> dict:
     }
 
 
+def uses_masked_softmax(model_cfg) -> bool:
+    """Whether this model config's static llama uses upstream's masked softmax (model.masked_softmax, else upstream's
+    value for the arch)."""
+    value = getattr(model_cfg, "masked_softmax", None)
+    return arch_flags(model_cfg.arch)["masked_softmax"] if value is None else bool(value)
+
+
 def uses_r3(model_cfg) -> bool:
     """Whether the static llama of this model config applies SpinQuant's R3 rotation (model.r3, else upstream's)."""
     return arch_flags(model_cfg.arch)["r3"] if model_cfg.r3 is None else bool(model_cfg.r3)
@@ -56,7 +63,8 @@ def _to_rope_layout(state_dict: dict, n_layers: int, n_heads: int, n_kv_heads: i
     return out
 
 
-def model_args(model: LoadedModel, max_context_len: int, ar_len: int, r3: bool, kv_io_bit_width: int = 16):
+def model_args(model: LoadedModel, max_context_len: int, ar_len: int, r3: bool, kv_io_bit_width: int = 16,
+               masked_softmax: bool = False):
     """upstream ModelArgs as its process_model_args sets them (batch 1)."""
     args = upstream.ModelArgs(**model.params)
     args.max_batch_size = 1
@@ -66,15 +74,16 @@ def model_args(model: LoadedModel, max_context_len: int, ar_len: int, r3: bool, 
     args.use_kv_cache = True  # upstream: always for the calibration graph, and whenever ar_len != context
     args.enable_r3 = r3
     args.kv_io_bit_width = kv_io_bit_width
-    # Masked softmax is an HTP graph optimisation that needs a QNN SDK version check; the CPU graph is the same.
-    args.enable_masked_softmax = False
+    # Upstream enables it after checking the QNN SDK is >= 2.35; qexp's libraries are QNN 2.49 (pinned).
+    args.enable_masked_softmax = masked_softmax
     return args
 
 
 class StaticLlama:
     """The static llama for one context length, with helpers to build its flat input tuple."""
 
-    def __init__(self, model: LoadedModel, max_context_len: int, r3: bool | None = None, ar_len: int | None = None):
+    def __init__(self, model: LoadedModel, max_context_len: int, r3: bool | None = None, ar_len: int | None = None,
+                 masked_softmax: bool = False):
         flags = arch_flags(model.arch)
         # Upstream's transform_weight says its converter left q/k in Meta's interleaved order, to be permuted to the
         # rotate-half order the static llama's RoPE uses. In qexp the model family decides that order, so the
@@ -83,7 +92,8 @@ class StaticLlama:
         self.r3 = flags["r3"] if r3 is None else bool(r3)
         self.max_context_len = max_context_len
         self.ar_len = ar_len or max_context_len
-        self.args = model_args(model, max_context_len, self.ar_len, self.r3)
+        self.masked_softmax = bool(masked_softmax)
+        self.args = model_args(model, max_context_len, self.ar_len, self.r3, masked_softmax=self.masked_softmax)
         # Upstream picks the class per registered model (LLM_VARIANT_ARCHS); qexp by what the params describe:
         # sliding-window layers (Gemma 3) need the multi-scope model's second RoPE table and second mask input.
         model_class = upstream.MultiScopeAwareLlamaModel if self.args.layer_types else upstream.LlamaModel

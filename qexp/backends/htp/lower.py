@@ -29,7 +29,7 @@ from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
 from qexp.cache import Cache, stable_hash
 from qexp.errors import ConfigError
 from qexp.models.loaded import LoadedModel
-from qexp.models.static_llama import StaticLlama
+from qexp.models.static_llama import StaticLlama, uses_masked_softmax
 from qexp.quant.calibrate import (
     EXPORT_STRICT,
     OBSERVERS,
@@ -109,12 +109,12 @@ class DeployedProgram:
 
 def quantized_graph(
     model: LoadedModel, context: int, ar_len: int, r3: bool, quant, observer, stats: dict, recompose_hadamard: bool,
-    soc: str,
+    soc: str, masked_softmax: bool = False,
 ):
     """The static llama for `ar_len`, quantized with the calibration graph's observer statistics."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    static = StaticLlama(model, context, r3=r3, ar_len=ar_len)
+    static = StaticLlama(model, context, r3=r3, ar_len=ar_len, masked_softmax=masked_softmax)
     example = static.example_inputs()
     with torch.no_grad():
         graph = torch.export.export(static.module, example, strict=EXPORT_STRICT).module()
@@ -238,7 +238,8 @@ def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, sta
     context = int(backend.max_seq_len)
     with timer.stage(f"quantize_{name}"):
         converted, static = quantized_graph(
-            model, context, ar_len, r3, cfg.quant, cfg.observer, stats, cfg.model.recompose_hadamard, backend.soc.value
+            model, context, ar_len, r3, cfg.quant, cfg.observer, stats, cfg.model.recompose_hadamard, backend.soc.value,
+            masked_softmax=uses_masked_softmax(cfg.model),
         )
     meta = static.module.get_metadata()
     encodings = io_encodings(converted, static.n_layers, static.n_masks)
