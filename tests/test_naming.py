@@ -33,6 +33,12 @@ def test_sweep_jobs_get_distinct_names_from_what_the_sweep_varies():
     assert len(names) == 4  # distinct, and the overrides every job shares (eval.limit) are not in them
     assert "tiny · 16a4w · RTN · none · calibration.limit=8 observer=moving_average" in names
     assert not any("eval.limit" in name for name in names)
+    # a group's own settings are not in the base name: a sweep over them shows them
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=["model=tiny", "model.masked_softmax=true"])
+    varied = ["model.masked_softmax", "quant", "tracking.sweep"]
+    assert run_name(cfg, "16a8w", ["quant=16a8w", "model.masked_softmax=true", "tracking.sweep=x"], varied) == \
+        "tiny · 16a8w · RTN · none · model.masked_softmax=true"
 
 
 def test_descriptions_are_the_one_line_result():

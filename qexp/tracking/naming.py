@@ -16,8 +16,11 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 # A classic model-development experiment: MLflow 3 opens it on the runs table, not on the GenAI trace overview.
 EXPERIMENT_KIND = "custom_model_development"
 
-# Overrides the base name already says (the group choices it names) or that do not change a result.
-_NAMED_BY_BASE = ("model", "quant", "algorithm", "backend", "experiment", "tracking", "hydra", "cache", "verbose")
+# Overrides the base name already says: the group choices it names (not their settings: a sweep over
+# model.masked_softmax or algorithm.gptq.damp must show them), and the block size it shows as /bN.
+_NAMED_BY_BASE = ("model", "quant", "algorithm", "backend", "quant.block_size")
+# Overrides that do not change a result, with all their settings.
+_NOT_RESULTS = ("experiment", "tracking", "hydra", "cache", "verbose")
 
 EXPERIMENT_DESCRIPTION = """\
 **qexp**: one run per experiment config (model · scheme · algorithm · backend), each with its resolved config
@@ -47,7 +50,8 @@ def run_name(cfg: DictConfig, scheme: str, overrides: Sequence[str] = (), varied
     if getattr(granularity, "name", granularity) == "per_block":  # the block size is what block sweeps vary
         scheme = f"{scheme}/b{cfg.quant.block_size}"
     parts: List[str] = [str(cfg.model.name), scheme, algorithm, str(cfg.backend.name)]
-    extras = [o.lstrip("+~") for o in overrides if _key(o) in varied and _key(o).split(".")[0] not in _NAMED_BY_BASE]
+    extras = [o.lstrip("+~") for o in overrides if _key(o) in varied and _key(o) not in _NAMED_BY_BASE
+              and _key(o).split(".")[0] not in _NOT_RESULTS]
     if not varied and cfg.observer.name != "minmax" and cfg.quant.scheme != "fp32":
         extras.append(f"observer={cfg.observer.name}")  # a single run: the one non-default axis users change most
     return " · ".join(parts + ([" ".join(extras)] if extras else []))
