@@ -109,8 +109,9 @@ def test_htp_exact_run_is_tagged_and_not_paired_with_fake_quant(compose):
 
 
 def test_new_settings_at_their_default_keep_earlier_hashes(compose):
-    """eval.htp_exact and quant.weight_range came after runs and cache entries existed: at their defaults they are
-    left out of the config hash (sweeps still skip finished runs) and the QDQ cache key; set, they count."""
+    """eval.htp_exact, quant.weight_range and model.masked_softmax came after runs and cache entries existed: at their
+    defaults they are left out of the config hash (sweeps still skip finished runs) and the QDQ cache key; set, they
+    count."""
     from omegaconf import OmegaConf
 
     from qexp.provenance import config_hash, stable_hash
@@ -119,8 +120,9 @@ def test_new_settings_at_their_default_keep_earlier_hashes(compose):
     container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     for volatile in ("tracking", "cache_dir", "cache", "verbose"):
         container.pop(volatile, None)
-    del container["eval"]["htp_exact"], container["quant"]["weight_range"]
+    del container["eval"]["htp_exact"], container["quant"]["weight_range"], container["model"]["masked_softmax"]
     assert config_hash(cfg) == stable_hash(container, length=16)
     assert config_hash(compose(TINY + ["eval.htp_exact=true"])) != config_hash(cfg)
+    assert config_hash(compose(TINY + ["model.masked_softmax=false"])) != config_hash(cfg)
     assert config_hash(compose(TINY + ["quant=16a4w", "quant.weight_range=full"])) != \
         config_hash(compose(TINY + ["quant=16a4w"]))
