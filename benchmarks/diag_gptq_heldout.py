@@ -50,7 +50,7 @@ def main() -> None:
     state = prepare(cfg, "calibration")
     model = state.model
     layers = sorted(int(i) for i in args.layers.split(","))
-    static = private_static(model, cfg.export.max_context_len, cfg.model.r3, cfg.model)
+    static = private_static(model, cfg.export.max_context_len, cfg.model)
     calibration = LayerByLayer(static, state.calibration.samples)
     held_out = LayerByLayer(static, [[int(t) for t in w] for w in state.windows.ids[: args.held_out_windows]])
     print("layer linear | calibration: rtn gptq act_order clip clip_gptq | held out: the same")

@@ -21,7 +21,7 @@ SQNR_WINDOWS = 2  # windows whose full logits are compared between phases
 
 def load(state) -> None:
     from qexp.models.sources import load_model
-    from qexp.models.static_llama import StaticLlama, uses_masked_softmax
+    from qexp.models.static_llama import StaticLlama
     from qexp.quant.encodings import weights_megabytes
     from qexp.quant.recipe import check_block_sizes, check_overrides_match
 
@@ -37,8 +37,7 @@ def load(state) -> None:
         check_block_sizes(cfg.quant, shapes)
         check_overrides_match(cfg.quant, shapes)
         state.model = model
-        state.fp_static = StaticLlama(model, cfg.export.max_context_len, r3=cfg.model.r3,
-                                      masked_softmax=uses_masked_softmax(cfg.model))
+        state.fp_static = StaticLlama.for_model_config(model, cfg.export.max_context_len, cfg.model)
     state.tags.update({"model_sha256": model.fingerprint, "model_source": model.source_path,
                        "r3": str(state.fp_static.r3), "masked_softmax": str(state.fp_static.masked_softmax)})
     state.metrics["model_params"] = model.n_params
@@ -162,8 +161,7 @@ def transform(state) -> None:
     context = TransformContext(state.cfg, state.calibration, state.cache, state.timer)
     model = apply_transforms(state.model, transforms, context)
     state.tags.update({f"transform_cache_hit.{name}": str(hit).lower() for name, hit in context.cache_hits.items()})
-    static = StaticLlama(model, state.cfg.export.max_context_len, r3=state.cfg.model.r3,
-                         masked_softmax=state.fp_static.masked_softmax)
+    static = StaticLlama.for_model_config(model, state.cfg.export.max_context_len, state.cfg.model)
     with state.timer.stage("eval_fp_transformed"):
         result = evaluate(lambda ids: window_logits(static.module, static, ids), state.windows, "FP transformed")
     state.deploy_model, state.static = model, static

@@ -236,7 +236,7 @@ def test_searched_scales_reach_the_qdq_program_exactly(compose, algorithm):
             _, expected = static.static_layout(key, model.state_dict[key])
             scales = grid.expand(ranges / grid.qmax, expected.shape[1])
             expected_ints = torch.clamp(torch.round(expected / scales), -grid.qmax, grid.qmax)
-            ints, program_scales = weights[name]
+            ints, _ = weights[name]
             assert torch.equal(ints.reshape(expected_ints.shape).float(), expected_ints), (quant, key)
             absmax = grid.scales(model.state_dict[key])
             clipped += int((ranges.reshape(absmax.shape) / grid.qmax < absmax * (1 - 1e-6)).sum())

@@ -38,7 +38,7 @@ def arch_flags(arch: str) -> dict:
 def uses_masked_softmax(model_cfg) -> bool:
     """Whether this model config's static llama uses upstream's masked softmax (model.masked_softmax, else upstream's
     value for the arch)."""
-    value = getattr(model_cfg, "masked_softmax", None)
+    value = model_cfg.masked_softmax
     return arch_flags(model_cfg.arch)["masked_softmax"] if value is None else bool(value)
 
 
@@ -120,6 +120,12 @@ class StaticLlama:
         # exact weight ranges an algorithm fixed (GPTQ), by this module's parameter name, rows in its order
         self.weight_ranges = dict(self.static_layout(k, v) for k, v in model.weight_ranges.items())
         self.vocab_size = self.args.vocab_size
+
+    @classmethod
+    def for_model_config(cls, model: LoadedModel, max_context_len: int, model_cfg) -> "StaticLlama":
+        """The static llama with the run's architecture switches (model.r3, model.masked_softmax): the graph every
+        CPU phase and algorithm of a run uses."""
+        return cls(model, max_context_len, r3=model_cfg.r3, masked_softmax=uses_masked_softmax(model_cfg))
 
     def static_layout(self, key: str, value: torch.Tensor) -> Tuple[str, torch.Tensor]:
         """A Meta-layout per-row tensor (a linear's weight, or its per-row ranges) -> (this module's parameter name,

@@ -141,7 +141,7 @@ class Awq(GridSearchTransform):
         state = dict(model.state_dict)
         # Every layer's inputs come from the float model, as in llm-awq (scaling keeps the function; clipping is
         # applied to the weights afterwards and not propagated), so one layer-by-layer pass serves all layers.
-        static = private_static(model, cfg.export.max_context_len, cfg.model.r3, cfg.model)
+        static = private_static(model, cfg.export.max_context_len, cfg.model)
         runner = LayerByLayer(static, context.calibration.samples)
         group_o = params["n_heads"] == params.get("n_kv_heads", params["n_heads"])
         for i in tqdm(range(params["n_layers"]), desc="awq", unit="layer", leave=False):

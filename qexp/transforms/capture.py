@@ -29,15 +29,14 @@ class _StopForward(Exception):
     pass
 
 
-def private_static(model: "LoadedModel", max_context_len: int, r3: bool | None, model_cfg=None) -> "StaticLlama":
-    """A static llama on a private copy of the weights: the StaticLlama shares its tensors with the LoadedModel it
-    is built from, and layer-by-layer algorithms update the module in place. `model_cfg` decides the graph's
-    architecture switches (masked softmax) as for the run's own graphs."""
-    from qexp.models.static_llama import StaticLlama, uses_masked_softmax
+def private_static(model: "LoadedModel", max_context_len: int, model_cfg) -> "StaticLlama":
+    """A static llama on a private copy of the weights, with the run's architecture switches (`model_cfg`): the
+    StaticLlama shares its tensors with the LoadedModel it is built from, and layer-by-layer algorithms update the
+    module in place."""
+    from qexp.models.static_llama import StaticLlama
 
     state = {k: v.detach().clone() for k, v in model.state_dict.items()}
-    masked = uses_masked_softmax(model_cfg) if model_cfg is not None else False
-    return StaticLlama(dataclasses.replace(model, state_dict=state), max_context_len, r3=r3, masked_softmax=masked)
+    return StaticLlama.for_model_config(dataclasses.replace(model, state_dict=state), max_context_len, model_cfg)
 
 
 class LayerByLayer:

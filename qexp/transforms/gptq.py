@@ -147,7 +147,7 @@ class Gptq(GridSearchTransform):
         cfg, config = context.cfg, self.config
         state = dict(model.state_dict)
         ranges = dict(model.weight_ranges)
-        static = private_static(model, cfg.export.max_context_len, cfg.model.r3, cfg.model)
+        static = private_static(model, cfg.export.max_context_len, cfg.model)
         runner = LayerByLayer(static, context.calibration.samples)
         for i in tqdm(range(model.params["n_layers"]), desc="gptq", unit="layer", leave=False):
             x = runner.run(i, advance=False)

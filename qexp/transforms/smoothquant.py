@@ -50,11 +50,10 @@ class SmoothQuant(ModelTransform):
 
     def apply(self, model, context):
         state = dict(model.state_dict)
-        from qexp.models.static_llama import StaticLlama, uses_masked_softmax
+        from qexp.models.static_llama import StaticLlama
 
         # the float function is unchanged by smoothing, so every layer's inputs come from the float model
-        static = StaticLlama(model, context.cfg.export.max_context_len, r3=context.cfg.model.r3,
-                             masked_softmax=uses_masked_softmax(context.cfg.model))
+        static = StaticLlama.for_model_config(model, context.cfg.export.max_context_len, context.cfg.model)
         runner = LayerByLayer(static, context.calibration.samples)
         for i in range(model.params["n_layers"]):
             x = runner.run(i, inputs=("attn_in", "ffn_in"))
