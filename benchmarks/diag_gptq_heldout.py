@@ -7,7 +7,8 @@ first evaluation windows (held out), the layers' inputs taken from the float mod
 GPTQ in column order lost to RTN on SmolLM2 (qexp/transforms/gptq.py's docstring): the down projections overfit
 the calibration Hessian. The clip columns are round-to-nearest and GPTQ (act_order) onto weight_clip's scales
 (the weights' own rounding error minimised): this is how qexp found why weight_clip alone loses on SmolLM2 (the
-README's algorithm section): the early down projections' held-out error grows up to 12x.
+README's algorithm section): the early down projections' held-out error grows up to 12x. The out_clip columns are
+the same onto weight_clip's `objective: outputs` scales (the calibration tokens' output error minimised).
 
     .venv/bin/python benchmarks/diag_gptq_heldout.py                       # SmolLM2, LPBQ block 32
     .venv/bin/python benchmarks/diag_gptq_heldout.py --layers 0,5 quant=16a4w calibration.limit=32
@@ -39,10 +40,10 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
     from qexp.pipeline import prepare
-    from qexp.transforms.capture import LayerByLayer, private_static
-    from qexp.transforms.gptq import INPUT_OF, gptq_quantize, hessian
+    from qexp.transforms.capture import LayerByLayer, input_of, private_static
+    from qexp.transforms.gptq import gptq_quantize, hessian
     from qexp.transforms.grid import grid_for, layer_linears
-    from qexp.transforms.weight_clip import mse_scales
+    from qexp.transforms.weight_clip import mse_scales, output_mse_scales
 
     overrides = args.overrides or ["quant=16a4w_block", "quant.block_size=32", "calibration.sampling=spread"]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -53,7 +54,7 @@ def main() -> None:
     static = private_static(model, cfg.export.max_context_len, cfg.model)
     calibration = LayerByLayer(static, state.calibration.samples)
     held_out = LayerByLayer(static, [[int(t) for t in w] for w in state.windows.ids[: args.held_out_windows]])
-    print("layer linear | calibration: rtn gptq act_order clip clip_gptq | held out: the same")
+    print("layer linear | calibration: rtn gptq act_order clip clip_gptq out_clip out_clip_gptq | held out: the same")
     for i in range(min(layers[-1] + 1, model.params["n_layers"])):
         if i not in layers:
             calibration.run(i, inputs=(), advance=True)
@@ -64,13 +65,15 @@ def main() -> None:
             grid = grid_for(cfg.quant, key)
             if grid is None or grid.bits >= 16:
                 continue
-            name = INPUT_OF[key.rsplit(".", 2)[1]]
+            name = input_of(key)
             w, h = model.state_dict[key].float(), hessian(xc[name])
-            clip = mse_scales(w, grid)
+            clip, output_clip = mse_scales(w, grid), output_mse_scales(w, xc[name], grid)
             quantized = {"rtn": grid.quantize(w), "gptq": gptq_quantize(w, h, grid)[0],
                          "act_order": gptq_quantize(w, h, grid, act_order=True)[0],
                          "clip": grid.quantize(w, clip), "clip_gptq": gptq_quantize(w, h, grid, act_order=True,
-                                                                                  scales=clip)[0]}
+                                                                                  scales=clip)[0],
+                         "out_clip": grid.quantize(w, output_clip),
+                         "out_clip_gptq": gptq_quantize(w, h, grid, act_order=True, scales=output_clip)[0]}
             cal = " ".join(f"{relative_error(w, q, xc[name]):.2e}" for q in quantized.values())
             held = " ".join(f"{relative_error(w, q, xh[name]):.2e}" for q in quantized.values())
             print(f"{i:5d} {key.rsplit('.', 2)[1]:6s} | {cal} | {held}", flush=True)

@@ -152,7 +152,7 @@ def transform(state) -> None:
     preserves the function must leave the float perplexity unchanged: `ppl_fp_transformed` shows it."""
     from qexp.eval.perplexity import evaluate
     from qexp.models.static_llama import StaticLlama, window_logits
-    from qexp.transforms import TransformContext, apply_transforms, build_transforms, model_transforms
+    from qexp.transforms import TransformContext, algorithm_label, apply_transforms, build_transforms, model_transforms
 
     transforms = model_transforms(build_transforms(state.cfg.algorithm))
     if not transforms:
@@ -167,7 +167,7 @@ def transform(state) -> None:
     state.deploy_model, state.static = model, static
     state.metrics.update({"ppl_fp_transformed": result.metrics()["ppl"],
                           **compare(result, state.fp, "fp_transformed", "fp")})
-    state.tags.update({"algorithm": ",".join(model.transforms), "model_sha256_transformed": model.fingerprint})
+    state.tags.update({"algorithm": algorithm_label(transforms), "model_sha256_transformed": model.fingerprint})
     log.info("transforms %s: float ppl %.4f (untransformed %.4f)", ",".join(model.transforms),
              state.metrics["ppl_fp_transformed"], state.metrics["ppl_fp"])
 
@@ -178,7 +178,7 @@ def qdq(state) -> None:
     from qexp.quant.calibrate import quantize
     from qexp.quant.encodings import encodings_table, summarize_encodings, weights_megabytes
     from qexp.quant.fold import with_weights_dequantized
-    from qexp.transforms import build_transforms, calibration_algorithms
+    from qexp.transforms import algorithm_label, build_transforms, calibration_algorithms
 
     if not state.quantized:
         return
@@ -193,7 +193,7 @@ def qdq(state) -> None:
                            algorithms=algorithms)
     state.tags.update({"qdq_cache_key": key, "qdq_cache_hit": str(program.cache_hit).lower(), **grid_tags(cfg)})
     if cfg.algorithm:  # every algorithm of the run in config order (the transform stage tags only model transforms)
-        state.tags["algorithm"] = ",".join(cfg.algorithm.keys())
+        state.tags["algorithm"] = algorithm_label(build_transforms(cfg.algorithm))
     lowering = htp_exact_lowering(cfg)
     state.tags["qdq_arithmetic"] = "fake_quant" if lowering is None else "htp_exact"
     with state.timer.stage("eval_qdq"):

@@ -221,12 +221,49 @@ def test_weight_clip_is_the_gptq_references_mse_search_on_the_qnn_grid():
         assert torch.allclose(ints, ints.round(), atol=1e-4) and ints.abs().max() <= 7 + 1e-4
 
 
-@pytest.mark.parametrize("algorithm", ["[weight_clip]", "[rotation,weight_clip,gptq]"])
+def test_weight_clip_outputs_objective_is_the_least_output_error_candidate():
+    """objective=outputs: per row (per channel) and per block, the chosen scale is the candidate whose quantized
+    weights give the least output error sum_t ((Q(w) - w) . x_t)^2 on the given inputs, evaluated directly (no H);
+    with an outlier input channel it differs from the weights' own choice and lowers the output error."""
+    from qexp.transforms.weight_clip import clip_candidates, output_mse_scales
+
+    w, x = _outlier_layer(5, out=32, cols=128)
+    for grid in (WeightGrid(4), WeightGrid(4, 32)):
+        got = output_mse_scales(w, x, grid)
+        size = grid.block_size or 128
+        blocks = 128 // size
+        wb = w.reshape(32, blocks, size).transpose(0, 1)
+        original_max = wb.abs().amax(-1, keepdim=True)
+        errors, scales = [], []
+        for _, scale in clip_candidates(original_max, grid, 100, 0.8):
+            d = torch.clamp(torch.round(wb / scale), -grid.qmax, grid.qmax) * scale - wb  # [blocks, out, size]
+            partial = torch.einsum("bos,tbs->bot", d, x.reshape(-1, blocks, size))
+            errors.append(partial.pow(2).sum(-1))
+            scales.append(scale.squeeze(-1))
+        errors, scales = torch.stack(errors), torch.stack(scales)  # [candidates, blocks, out]
+        best = errors.argmin(0, keepdim=True)
+        expected = scales.gather(0, best)[0].transpose(0, 1)
+        chosen = (scales - got.transpose(0, 1)).abs().argmin(0, keepdim=True)
+        # the chosen candidate's error equals the least one (ties between equal candidates may pick either)
+        assert torch.allclose(errors.gather(0, chosen), errors.gather(0, best), rtol=1e-4), grid.describe()
+        output_error = lambda sc: float(((grid.quantize(w, sc) - w) @ x.T).pow(2).sum())  # noqa: E731
+        assert output_error(got) <= output_error(grid.scales(w)) * (1 + 1e-5)
+        if not grid.block_size:
+            assert torch.allclose(got, expected, rtol=1e-5)
+            assert output_error(got) < output_error(mse_scales(w, grid))
+            assert not torch.allclose(got, mse_scales(w, grid))
+
+
+@pytest.mark.parametrize("algorithm", ["[weight_clip]", "[rotation,weight_clip,gptq]",
+                                       "[weight_clip]_outputs"])
 def test_searched_scales_reach_the_qdq_program_exactly(compose, algorithm):
     """weight_clip's scales (also when GPTQ rounds onto them) are the converted program's: its integers are
     round(w / scale) with them, and some are below QnnQuantizer's own absmax scales."""
+    extra = []
+    if algorithm.endswith("_outputs"):  # the output-error objective (needs the calibration data)
+        algorithm, extra = algorithm.removesuffix("_outputs"), ["algorithm.weight_clip.objective=outputs"]
     for quant in (["quant=16a4w"], ["quant=16a4w_block", "quant.block_size=16"]):
-        state = prepare(compose(TINY + quant + [f"algorithm={algorithm}"]), through="qdq")
+        state = prepare(compose(TINY + quant + [f"algorithm={algorithm}", *extra]), through="qdq")
         model, static = state.deploy_model, state.static
         weights = program_weights(state.qdq.program.module)
         clipped = 0
@@ -310,6 +347,21 @@ def test_awq_run_logs_the_transformed_float_model_and_beats_rtn_on_logits(compos
     assert m["logits_sqnr_db_qdq_vs_fp"] > rtn["logits_sqnr_db_qdq_vs_fp"]
 
 
+def test_algorithm_label_names_the_settings_that_differ_from_the_defaults():
+    """The `algorithm` tag (and so every table's algorithm column) tells runs of one algorithm with other settings
+    apart, and keeps the bare name at the defaults (the label earlier runs carry)."""
+    from omegaconf import OmegaConf
+
+    from qexp.transforms import algorithm_label
+
+    label = lambda a: algorithm_label(build_transforms(OmegaConf.create(a)))  # noqa: E731
+    assert label({}) == ""
+    assert label({"rotation": {}, "weight_clip": {}, "gptq": {}}) == "rotation,weight_clip,gptq"
+    assert label({"weight_clip": {"objective": "weights"}, "gptq": {"damp": 0.01}}) == "weight_clip,gptq"
+    assert label({"weight_clip": {"objective": "outputs"}, "gptq": {"damp": 0.1, "act_order": False}}) == \
+        "weight_clip(objective=outputs),gptq(damp=0.1 act_order=false)"
+
+
 # ------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("overrides, message", [
     (["quant=16a4w", "algorithm=[smoothquant]"], "smoothquant smooths 8-bit activations"),
@@ -320,6 +372,8 @@ def test_awq_run_logs_the_transformed_float_model_and_beats_rtn_on_logits(compos
     (["quant=16a4w", "algorithm=[seq_mse]", "quant.weight_granularity=per_tensor"], "per-channel or per-block"),
     (["quant=16a4w", "algorithm=[weight_clip,rotation]"], "rotation after weight_clip would not keep"),
     (["quant=16a4w", "algorithm=[gptq,awq]"], "awq after gptq would not keep"),
+    (["quant=16a4w", "algorithm=[weight_clip]", "algorithm.weight_clip.objective=activations"],
+     "algorithm.weight_clip.objective='activations'"),
     (["quant=16a4w", "algorithm=[gptq,seq_mse]"], "seq_mse searches weight scales, and gptq already fixed"),
 ])
 def test_algorithms_refuse_configs_they_cannot_serve(compose, overrides, message):

@@ -126,3 +126,18 @@ def test_new_settings_at_their_default_keep_earlier_hashes(compose):
     assert config_hash(compose(TINY + ["model.masked_softmax=false"])) != config_hash(cfg)
     assert config_hash(compose(TINY + ["quant=16a4w", "quant.weight_range=full"])) != \
         config_hash(compose(TINY + ["quant=16a4w"]))
+    # weight_clip.objective likewise, in the run's hash and in the transform's own fingerprint (its cache key)
+    from qexp.transforms import build_transforms
+
+    clip = compose(TINY + ["quant=16a4w", "algorithm=[weight_clip]"])
+    container = OmegaConf.to_container(clip, resolve=True, enum_to_str=True)
+    for volatile in ("tracking", "cache_dir", "cache", "verbose"):
+        container.pop(volatile, None)
+    del container["eval"]["htp_exact"], container["quant"]["weight_range"], container["model"]["masked_softmax"]
+    del container["algorithm"]["weight_clip"]["objective"]
+    assert config_hash(clip) == stable_hash(container, length=16)
+    assert build_transforms(clip.algorithm)[0].fingerprint()["config"] == {"n_grid": 100, "max_shrink": 0.8,
+                                                                           "norm": 2.4}
+    outputs = compose(TINY + ["quant=16a4w", "algorithm=[weight_clip]", "algorithm.weight_clip.objective=outputs"])
+    assert config_hash(outputs) != config_hash(clip)
+    assert build_transforms(outputs.algorithm)[0].fingerprint()["config"]["objective"] == "outputs"

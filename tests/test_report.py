@@ -212,6 +212,11 @@ def test_device_layout_gives_one_row_per_configuration_and_device():
     assert rows[("16a3w_block", "CPU (QDQ)")].config == "awq, int3 sym block 64, lm head int8 sym per channel"
     assert rows[("16a3w_block", "CPU (QDQ)")].deployable == "false"
     assert ("fp32", "XNNPACK (CPU)") not in rows  # the XNNPACK run's QNN scheme is fp32: no QDQ row of its own
+    # an algorithm tagged with its non-default settings is named once (not again from its logged params)
+    tuned = {**awq, "run_id": "g", "tags.algorithm": "awq(clip=false)", "params.algorithm.awq.clip": "False"}
+    table = device_table(_derived(pd.DataFrame([PYTORCH, tuned])))
+    assert list(table[table["precision"] == "16a3w_block"]["config"]) == [
+        "awq(clip=false), int3 sym block 64, lm head int8 sym per channel"]
 
     # the same configuration run QDQ-only too: one CPU row (the subset from the HTP run); other numbers stay apart
     qdq_only = {**HTP, "run_id": "e", "metrics.ppl_deployed": np.nan, "metrics.ppl_qdq_sub": np.nan}

@@ -71,4 +71,5 @@ def test_awq_through_qdq_on_smollm2(compose, store_uri):
     m = result.metrics
     assert abs(m["ppl_fp_transformed_vs_fp"]) < 1e-4, m["ppl_fp_transformed_vs_fp"]
     assert m["ppl_fp"] < m["ppl_qdq"] < m["ppl_fp"] * 2
-    assert result.tags["algorithm"] == "awq" and result.tags["weight_grid"] == "int4 sym block 64 (LPBQ scales: nearest)"
+    assert result.tags["algorithm"] == "awq(n_grid=10 clip=false loss_samples=2)"  # its non-default settings
+    assert result.tags["weight_grid"] == "int4 sym block 64 (LPBQ scales: nearest)"

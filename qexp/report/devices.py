@@ -32,8 +32,9 @@ def _config(runs: pd.DataFrame) -> pd.Series:
     tagged = text("tags.algorithm")
     ordered = []
     for tag, extra in zip(tagged, from_params):
-        names = tag.split(",") if tag else []
-        ordered.append(",".join(names + [a for a in extra if a not in names]) or None)
+        names = tag.split(",") if tag else []  # each maybe with its non-default settings: "gptq(damp=0.1)"
+        bare = {name.split("(")[0] for name in names}
+        ordered.append(",".join(names + [a for a in extra if a not in bare]) or None)
     configs = []
     for algorithm, weights, granularity, block, lm_head in zip(
             ordered, text("tags.weight_grid"), text("params.quant.weight_granularity"),

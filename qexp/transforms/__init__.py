@@ -6,6 +6,7 @@ from qexp.transforms.base import (
     ModelTransform,
     TransformConfig,
     TransformContext,
+    algorithm_label,
     apply_transforms,
     build_transforms,
     calibration_algorithms,

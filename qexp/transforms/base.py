@@ -78,10 +78,23 @@ class ModelTransform:
 
     def fingerprint(self) -> Dict[str, Any]:
         """What determines this transform's output besides the input model (its settings; the calibration data's hash
-        is added by `apply_transforms` when it needs calibration)."""
+        is added by `apply_transforms` when it needs calibration). Settings added later are left out at their
+        default (provenance.LATER_DEFAULTS), so results cached before they existed stay valid."""
+        from qexp.provenance import without_later_defaults
+
         config = OmegaConf.to_container(self.config, resolve=True, enum_to_str=True) if OmegaConf.is_config(
             self.config) else dataclasses.asdict(self.config)
-        return {"name": self.name, "version": self.version, "config": config}
+        return {"name": self.name, "version": self.version,
+                "config": without_later_defaults(config, ("algorithm", self.name))}
+
+    def label(self) -> str:
+        """How tables and the `algorithm` tag name this algorithm: its name, with the settings that differ from its
+        defaults, e.g. `weight_clip(objective=outputs)`, so runs of one algorithm with other settings never share a
+        row label."""
+        config = self.fingerprint()["config"]
+        defaults = OmegaConf.to_container(OmegaConf.structured(self.config_class), enum_to_str=True)
+        changed = [f"{k}={_setting_text(v)}" for k, v in config.items() if defaults.get(k, object()) != v]
+        return f"{self.name}({' '.join(changed)})" if changed else self.name
 
     def apply(self, model: "LoadedModel", context: TransformContext) -> "LoadedModel":
         """Return the transformed model (a new LoadedModel: `dataclasses.replace(model, state_dict=...)`; leave the
@@ -118,6 +131,15 @@ class GridSearchTransform(ModelTransform):
         return {"scheme": q.scheme, "weight_granularity": str(q.weight_granularity), "block_size": q.block_size,
                 "block_scale_rounding": str(q.block_scale_rounding),
                 "overrides": [(o.pattern, o.scheme, str(o.granularity), o.block_size) for o in q.overrides]}
+
+
+def _setting_text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def algorithm_label(transforms: List[ModelTransform]) -> str:
+    """The `algorithm` tag: the algorithms in order, each with its non-default settings ("" for none)."""
+    return ",".join(t.label() for t in transforms)
 
 
 TRANSFORMS: Dict[str, Type[ModelTransform]] = {}

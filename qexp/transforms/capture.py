@@ -25,6 +25,16 @@ INPUTS = {"attn_in": "attention.wq_conv", "o_in": "attention.wo_conv", "ffn_in":
           "down_in": "feed_forward.w2_conv"}
 
 
+# which captured input each linear (Meta name) reads
+INPUT_OF = {"wq": "attn_in", "wk": "attn_in", "wv": "attn_in", "wo": "o_in", "w1": "ffn_in", "w3": "ffn_in",
+            "w2": "down_in"}
+
+
+def input_of(meta_key: str) -> str:
+    """The captured input a decoder layer's linear reads: `layers.3.feed_forward.w2.weight` -> "down_in"."""
+    return INPUT_OF[meta_key.rsplit(".", 2)[1]]
+
+
 class _StopForward(Exception):
     pass
 

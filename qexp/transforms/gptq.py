@@ -48,12 +48,9 @@ from qexp.config import BlockScaleRounding
 from qexp.errors import ConfigError
 from qexp.quant.lpbq import SCALE_STEPS, scale_steps
 from qexp.transforms.base import GridSearchTransform, TransformConfig, register_transform
-from qexp.transforms.capture import LayerByLayer, private_static
+from qexp.transforms.capture import LayerByLayer, input_of, private_static
 from qexp.transforms.grid import SCALE_EPS, WeightGrid, grid_for, layer_linears
 
-# which captured input each linear reads
-INPUT_OF = {"wq": "attn_in", "wk": "attn_in", "wv": "attn_in", "wo": "o_in", "w1": "ffn_in", "w3": "ffn_in",
-            "w2": "down_in"}
 
 
 @dataclass
@@ -156,7 +153,7 @@ class Gptq(GridSearchTransform):
                 grid = grid_for(cfg.quant, key)
                 if grid is None or grid.bits >= 16:
                     continue
-                h = hessians[INPUT_OF[key.rsplit(".", 2)[1]]]
+                h = hessians[input_of(key)]
                 given = model.weight_ranges[key] / grid.qmax if key in model.weight_ranges else None
                 state[key], scales = gptq_quantize(state[key], h, grid, config.damp, config.block_size,
                                                    config.act_order, config.static_groups, given)

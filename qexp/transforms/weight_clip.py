@@ -13,6 +13,14 @@ change the unit of every block in the row) and the others may go down to (1 - ma
 The chosen scales reach the quantizer as exact weight ranges (LoadedModel.weight_ranges, range = scale x qmax, as
 GPTQ's do); the float weights are not changed, so the transformed float model is the original one.
 
+With `objective: outputs` the error judged is the layer's output error on the calibration tokens instead of the
+weights' own: per row (and block) sum over tokens of ((Q(w) - w) . x)^2 = d H d^T with H = X^T X of the linear's
+inputs (per block its diagonal block, the block's partial output error, as llm-awq's clip search judges it). The
+weights' own error treats every input channel alike; SmolLM2's few massive activation channels make a small weight
+error there a large output error, and that is where clipping by the weights' error hurts (layer 2's down projection
+12x the output error of absmax on held-out tokens: benchmarks/diag_gptq_heldout.py). The inputs are the float
+model's (as AWQ's): the search needs calibration data only then.
+
 `algorithm=[weight_clip]` is round-to-nearest onto the searched scales; `algorithm=[weight_clip,gptq]` is GPTQ
 rounding onto them (QuaRot's GPTQ with --w_clip). Transforms that change weights (rotation, AWQ, SmoothQuant) must
 come before it: the scales are chosen for the weights it sees.
@@ -31,17 +39,21 @@ from qexp.config import BlockScaleRounding
 from qexp.errors import ConfigError
 from qexp.quant.lpbq import SCALE_STEPS
 from qexp.transforms.base import GridSearchTransform, TransformConfig, register_transform
+from qexp.transforms.capture import LayerByLayer, input_of, private_static
 from qexp.transforms.grid import SCALE_EPS, WeightGrid, grid_for, layer_linears
 
 # the GPTQ reference's Quantizer.configure defaults
 N_GRID, MAX_SHRINK, NORM = 100, 0.8, 2.4
+OBJECTIVES = ("weights", "outputs")
 
 
 @dataclass
 class WeightClipConfig(TransformConfig):
     n_grid: int = N_GRID  # shrink factors 1, 1 - 1/n_grid, ...
     max_shrink: float = MAX_SHRINK  # down to (1 - max_shrink) of absmax
-    norm: float = NORM  # the error's exponent: sum |Q(w) - w|^norm
+    norm: float = NORM  # the error's exponent: sum |Q(w) - w|^norm (objective weights)
+    # weights: the weights' own rounding error (no calibration); outputs: the output error on the calibration tokens
+    objective: str = "weights"
 
 
 def clip_candidates(original_max: torch.Tensor, grid: WeightGrid, n_grid: int,
@@ -102,6 +114,33 @@ def mse_scales(w: torch.Tensor, grid: WeightGrid, n_grid: int = N_GRID, max_shri
     return best_scale.squeeze(-1).transpose(0, 1).contiguous()
 
 
+@torch.no_grad()
+def output_mse_scales(w: torch.Tensor, x: torch.Tensor, grid: WeightGrid, n_grid: int = N_GRID,
+                      max_shrink: float = MAX_SHRINK) -> torch.Tensor:
+    """Per (output channel, block) the candidate scale minimising the block's partial output error on the inputs
+    x [tokens, in]: sum_t ((Q(w_b) - w_b) . x_tb)^2 = d_b H_b d_b^T with H_b = x_b^T x_b. [out, n_blocks] like
+    mse_scales; the no-clip candidate is among them."""
+    out, cols = w.shape
+    size = grid.block_size or cols
+    if cols % size:
+        raise ValueError(f"block_size {size} does not divide the layer's {cols} input channels")
+    blocks = cols // size
+    xb = x.double().reshape(-1, blocks, size).transpose(0, 1)  # [blocks, tokens, size]
+    h = (xb.transpose(1, 2) @ xb).float()  # [blocks, size, size]
+    wb = w.float().reshape(out, blocks, size).transpose(0, 1)  # [blocks, out, size]
+    original_max = wb.abs().amax(-1, keepdim=True)
+    best_scale = torch.zeros_like(original_max)
+    best_err = torch.full_like(original_max, float("inf"))
+    for _, scale in clip_candidates(original_max, grid, n_grid, max_shrink):
+        scale = scale.clamp(min=SCALE_EPS)
+        d = torch.clamp(torch.round(wb / scale), -grid.qmax, grid.qmax) * scale - wb
+        err = (torch.bmm(d, h) * d).sum(-1, keepdim=True)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+    return best_scale.squeeze(-1).transpose(0, 1).contiguous()
+
+
 @register_transform
 class WeightClip(GridSearchTransform):
     """Round-to-nearest with each row's (and block's) scale searched against its own rounding error."""
@@ -112,20 +151,37 @@ class WeightClip(GridSearchTransform):
     needs_calibration = False
     needs_grid_because = "searches scales on a quantization grid"
 
+    def __init__(self, config):
+        super().__init__(config)
+        self.needs_calibration = config.objective == "outputs"  # the output error needs the layers' inputs
+
     def validate(self, cfg) -> None:
         super().validate(cfg)
         c = self.config
         if c.n_grid < 1 or not 0 < c.max_shrink < 1 or c.norm <= 0:
             raise ConfigError(f"algorithm.weight_clip: n_grid={c.n_grid}, max_shrink={c.max_shrink}, norm={c.norm}",
                               "use n_grid >= 1, 0 < max_shrink < 1 and norm > 0")
+        if c.objective not in OBJECTIVES:
+            raise ConfigError(f"algorithm.weight_clip.objective={c.objective!r}", f"use one of {', '.join(OBJECTIVES)}")
 
     def apply(self, model, context):
         c = self.config
         ranges = dict(model.weight_ranges)
+        runner = None
+        if c.objective == "outputs":  # the float model's inputs, layer by layer
+            runner = LayerByLayer(private_static(model, context.cfg.export.max_context_len, context.cfg.model),
+                                  context.calibration.samples)
         for i in tqdm(range(model.params["n_layers"]), desc="weight_clip", unit="layer", leave=False):
+            inputs = runner.run(i) if runner is not None else None
             for key in layer_linears(i):
                 grid = grid_for(context.cfg.quant, key)
                 if grid is None or grid.bits >= 16:
                     continue
-                ranges[key] = mse_scales(model.state_dict[key], grid, c.n_grid, c.max_shrink, c.norm) * grid.qmax
+                w = model.state_dict[key]
+                if inputs is None:
+                    scales = mse_scales(w, grid, c.n_grid, c.max_shrink, c.norm)
+                else:
+                    scales = output_mse_scales(w, inputs[input_of(key)], grid, c.n_grid,
+                                               c.max_shrink)
+                ranges[key] = scales * grid.qmax
         return dataclasses.replace(model, weight_ranges=ranges)
