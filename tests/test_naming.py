@@ -39,6 +39,13 @@ def test_sweep_jobs_get_distinct_names_from_what_the_sweep_varies():
     varied = ["model.masked_softmax", "quant", "tracking.sweep"]
     assert run_name(cfg, "16a8w", ["quant=16a8w", "model.masked_softmax=true", "tracking.sweep=x"], varied) == \
         "tiny · 16a8w · RTN · none · model.masked_softmax=true"
+    # an algorithm's settings are in its name (once), like its tag
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=["model=tiny", "algorithm=[weight_clip,gptq]",
+                                                             "algorithm.gptq.damp=0.1"])
+    varied = ["algorithm.gptq.damp", "quant"]
+    assert run_name(cfg, "16a4w", ["quant=16a4w", "algorithm.gptq.damp=0.1"], varied) == \
+        "tiny · 16a4w · weight_clip+gptq(damp=0.1) · none"
 
 
 def test_descriptions_are_the_one_line_result():

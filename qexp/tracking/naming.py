@@ -17,7 +17,8 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 
 # Overrides the base name already says: the group choices it names (not their settings: a sweep over
-# model.masked_softmax or algorithm.gptq.damp must show them), and the block size it shows as /bN.
+# model.masked_softmax must show them; algorithms' settings are in the algorithm's label), and the block size it
+# shows as /bN.
 _NAMED_BY_BASE = ("model", "quant", "algorithm", "backend", "quant.block_size")
 # Overrides that do not change a result, with all their settings.
 _NOT_RESULTS = ("experiment", "tracking", "hydra", "cache", "verbose")
@@ -45,16 +46,31 @@ def run_name(cfg: DictConfig, scheme: str, overrides: Sequence[str] = (), varied
     """`smollm2_135m · 16a4w · RTN · htp`, plus the values a sweep job varies beyond those (e.g.
     `observer=moving_average`), so that the runs of one sweep have distinct names; overrides every job of the sweep
     shares are left to the params."""
-    algorithm = "+".join(cfg.algorithm.keys()) if cfg.algorithm else "RTN"
+    algorithm = _algorithm_name(cfg.algorithm)
     granularity = cfg.quant.weight_granularity
     if getattr(granularity, "name", granularity) == "per_block":  # the block size is what block sweeps vary
         scheme = f"{scheme}/b{cfg.quant.block_size}"
     parts: List[str] = [str(cfg.model.name), scheme, algorithm, str(cfg.backend.name)]
     extras = [o.lstrip("+~") for o in overrides if _key(o) in varied and _key(o) not in _NAMED_BY_BASE
-              and _key(o).split(".")[0] not in _NOT_RESULTS]
+              and not _key(o).startswith("algorithm.") and _key(o).split(".")[0] not in _NOT_RESULTS]
     if not varied and cfg.observer.name != "minmax" and cfg.quant.scheme != "fp32":
         extras.append(f"observer={cfg.observer.name}")  # a single run: the one non-default axis users change most
     return " · ".join(parts + ([" ".join(extras)] if extras else []))
+
+
+def _algorithm_name(algorithm_cfg) -> str:
+    """`rotation+gptq`, each algorithm with its non-default settings (`weight_clip(objective=outputs)`), as the
+    `algorithm` tag; RTN without any. A config that names an unknown algorithm keeps the bare names (validation then
+    fails the run with the reason)."""
+    if not algorithm_cfg:
+        return "RTN"
+    from qexp.errors import ConfigError
+    from qexp.transforms import build_transforms
+
+    try:
+        return "+".join(t.label() for t in build_transforms(algorithm_cfg))
+    except ConfigError:
+        return "+".join(algorithm_cfg.keys())
 
 
 def _key(override: str) -> str:
