@@ -82,6 +82,9 @@ def main() -> None:
     state.fp_static = state.static = None  # what the deploy stage frees before compiling
     state.qdq.release_programs()
     step("free the FP / QDQ float programs", gc.collect)
+    from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
+
+    ensure_qnn_sdk(state.cache)  # QNN's libraries on the loader path, as compile_pte does
     stats = torch.load(state.qdq.program.stats_path, weights_only=True)
     graphs = {}
     with provenance_without_deep_copies():

@@ -3,7 +3,6 @@ the module that does the work, and records what it produced: metrics, tags, para
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 
@@ -13,6 +12,7 @@ from qexp.backends import PhaseInputs, QdqPhase
 from qexp.errors import InputError
 from qexp.eval.compare import compare, phase_metrics
 from qexp.provenance import fp_eval_key, library_versions, qdq_cache_key
+from qexp.timing import release_memory
 
 log = logging.getLogger("qexp")
 
@@ -241,7 +241,7 @@ def deploy(state) -> None:
     state.fp_static = state.static = None
     if state.qdq is not None:
         state.qdq.release_programs()
-    gc.collect()
+    release_memory()
     inputs = PhaseInputs(state.cfg, state.deploy_model, state.windows, state.fp, state.qdq, state.cache, state.timer,
                          library_versions())
     log.info("stage deploy (%s): native library output goes to the run's native.log (verbose=true shows it)",

@@ -11,6 +11,21 @@ from typing import Dict, Iterator
 log = logging.getLogger("qexp")
 
 
+def release_memory() -> None:
+    """Collect garbage, then hand the C heap's free pages back to the OS (glibc's malloc_trim). Freed tensors of a
+    few MB come from malloc's heap, not from their own mappings, and glibc keeps those pages: measured on SmolLM2
+    after the deploy stage freed the FP and QDQ float programs, RSS went 2.44 -> 1.51 GiB with the trim and stayed
+    at 2.44 without. A smaller parent also makes a smaller forked compile worker. No-op off glibc."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def peak_rss_mb() -> float:
     # ru_maxrss is in KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

@@ -38,7 +38,7 @@ from qexp.quant.calibrate import (
     observer_statistics,
 )
 from qexp.quant.recipe import make_quantizer
-from qexp.timing import StageTimer
+from qexp.timing import StageTimer, release_memory
 from qexp.upstream.private import (
     executorch_backend_config,
     forget_prepared_modules,
@@ -316,6 +316,9 @@ def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: 
             with lowering_bars({together: "this process"}) as done:
                 edge = lower_one(graphs, constant_methods)
                 done(together)
+    # what the lowering freed (ExecuTorch's intermediate programs) back to the OS before the program is emitted and
+    # the emulator loads it (qexp/timing.release_memory)
+    release_memory()
     delegation = {}
     for name in graphs:
         info = get_delegation_info(edge.exported_program(name).graph_module)

@@ -42,7 +42,10 @@ def lower_in_workers(graphs: Dict[str, dict], lower_one: Callable[[Dict[str, dic
     children at the same time."""
     from qexp.backends.htp.progress import labels_for, lowering_bars
 
+    from qexp.timing import release_memory
+
     names = list(graphs)
+    release_memory()  # a forked worker starts with the parent's resident pages: hand back what is free first
     with tempfile.TemporaryDirectory(prefix="qexp-lower-") as tmp:
         pending = {name: _fork(name, graphs[name], lower_one, Path(tmp)) for name in names[1:]}
         log.info("lowering %s here and %s in worker process(es) %s, at the same time", names[0], ", ".join(names[1:]),
