@@ -1,7 +1,8 @@
 """Diagnostic: where the HTP compile's memory goes (issue #13's peak-memory target), one step at a time.
 
 Runs the configured experiment (default: the default experiment, SmolLM2 16a4w hybrid) through the QDQ phase (cached
-stages are cache hits), frees what the deploy stage frees, then in this one process: builds each deploy graph
+stages are cache hits), frees what the deploy stage frees (garbage collection, then glibc's malloc_trim, as
+qexp.timing.release_memory does), then in this one process: builds each deploy graph
 (export, prepare, observer statistics, convert), lowers each graph on its own (ExecuTorch + QNN, no cache), and
 emits the program. Prints the process's resident memory after each step and the peak within it (sampled every
 50 ms from /proc/self/statm), so the steps' shares of the peak can be read off. Nothing is cached or tracked.
@@ -74,6 +75,7 @@ def main() -> None:
     from qexp.backends.htp.config import W4Lowering
     from qexp.backends.htp.lower import _deploy_graph, _lower, graph_ar_lens
     from qexp.pipeline import prepare
+    from qexp.timing import release_memory
     from qexp.upstream.private import provenance_without_deep_copies
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -81,7 +83,8 @@ def main() -> None:
     state = step("stages through QDQ (cache hits)", lambda: prepare(cfg, "qdq"))
     state.fp_static = state.static = None  # what the deploy stage frees before compiling
     state.qdq.release_programs()
-    step("free the FP / QDQ float programs", gc.collect)
+    step("free the FP / QDQ float programs (gc)", gc.collect)
+    step("  + malloc_trim (release_memory)", release_memory)
     from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
 
     ensure_qnn_sdk(state.cache)  # QNN's libraries on the loader path, as compile_pte does
@@ -96,7 +99,8 @@ def main() -> None:
             graph = {name: graphs[name]}
             step(f"lower {name} alone (+ to_executorch)", lambda: _lower(graph, {}, state.timer, lpbq, workers=1))
             del graphs[name], graph
-            step(f"free {name}", gc.collect)
+            step(f"free {name} (gc)", gc.collect)
+            step("  + malloc_trim (release_memory)", release_memory)
 
 
 if __name__ == "__main__":
