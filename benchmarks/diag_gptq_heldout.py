@@ -43,7 +43,7 @@ def main() -> None:
     from qexp.transforms.capture import LayerByLayer, input_of, private_static
     from qexp.transforms.gptq import gptq_quantize, hessian
     from qexp.transforms.grid import grid_for, layer_linears
-    from qexp.transforms.weight_clip import mse_scales, output_mse_scales
+    from qexp.transforms.weight_clip import block_gram, mse_scales, output_mse_scales
 
     overrides = args.overrides or ["quant=16a4w_block", "quant.block_size=32", "calibration.sampling=spread"]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -67,7 +67,8 @@ def main() -> None:
                 continue
             name = input_of(key)
             w, h = model.state_dict[key].float(), hessian(xc[name])
-            clip, output_clip = mse_scales(w, grid), output_mse_scales(w, xc[name], grid)
+            clip = mse_scales(w, grid)
+            output_clip = output_mse_scales(w, block_gram(xc[name], grid.block_size or w.shape[1]), grid)
             quantized = {"rtn": grid.quantize(w), "gptq": gptq_quantize(w, h, grid)[0],
                          "act_order": gptq_quantize(w, h, grid, act_order=True)[0],
                          "clip": grid.quantize(w, clip), "clip_gptq": gptq_quantize(w, h, grid, act_order=True,

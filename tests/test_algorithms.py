@@ -225,12 +225,12 @@ def test_weight_clip_outputs_objective_is_the_least_output_error_candidate():
     """objective=outputs: per row (per channel) and per block, the chosen scale is the candidate whose quantized
     weights give the least output error sum_t ((Q(w) - w) . x_t)^2 on the given inputs, evaluated directly (no H);
     with an outlier input channel it differs from the weights' own choice and lowers the output error."""
-    from qexp.transforms.weight_clip import clip_candidates, output_mse_scales
+    from qexp.transforms.weight_clip import block_gram, clip_candidates, output_mse_scales
 
     w, x = _outlier_layer(5, out=32, cols=128)
     for grid in (WeightGrid(4), WeightGrid(4, 32)):
-        got = output_mse_scales(w, x, grid)
         size = grid.block_size or 128
+        got = output_mse_scales(w, block_gram(x, size), grid)
         blocks = 128 // size
         wb = w.reshape(32, blocks, size).transpose(0, 1)
         original_max = wb.abs().amax(-1, keepdim=True)
@@ -254,14 +254,13 @@ def test_weight_clip_outputs_objective_is_the_least_output_error_candidate():
             assert not torch.allclose(got, mse_scales(w, grid))
 
 
-@pytest.mark.parametrize("algorithm", ["[weight_clip]", "[rotation,weight_clip,gptq]",
-                                       "[weight_clip]_outputs"])
-def test_searched_scales_reach_the_qdq_program_exactly(compose, algorithm):
+@pytest.mark.parametrize("algorithm, extra", [
+    ("[weight_clip]", []), ("[rotation,weight_clip,gptq]", []),
+    ("[weight_clip]", ["algorithm.weight_clip.objective=outputs"]),  # judged on outputs: needs the calibration data
+])
+def test_searched_scales_reach_the_qdq_program_exactly(compose, algorithm, extra):
     """weight_clip's scales (also when GPTQ rounds onto them) are the converted program's: its integers are
     round(w / scale) with them, and some are below QnnQuantizer's own absmax scales."""
-    extra = []
-    if algorithm.endswith("_outputs"):  # the output-error objective (needs the calibration data)
-        algorithm, extra = algorithm.removesuffix("_outputs"), ["algorithm.weight_clip.objective=outputs"]
     for quant in (["quant=16a4w"], ["quant=16a4w_block", "quant.block_size=16"]):
         state = prepare(compose(TINY + quant + [f"algorithm={algorithm}", *extra]), through="qdq")
         model, static = state.deploy_model, state.static

@@ -65,10 +65,10 @@ def _algorithm_name(algorithm_cfg) -> str:
     if not algorithm_cfg:
         return "RTN"
     from qexp.errors import ConfigError
-    from qexp.transforms import build_transforms
+    from qexp.transforms import algorithm_label, build_transforms
 
     try:
-        return "+".join(t.label() for t in build_transforms(algorithm_cfg))
+        return algorithm_label(build_transforms(algorithm_cfg)).replace(",", "+")  # labels hold no commas
     except ConfigError:
         return "+".join(algorithm_cfg.keys())
 

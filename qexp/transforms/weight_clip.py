@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Callable, List, Tuple
 
 import torch
 from tqdm import tqdm
@@ -91,11 +91,11 @@ def _lpbq_clip_candidates(original_max: torch.Tensor, grid: WeightGrid,
     return candidates
 
 
-@torch.no_grad()
-def mse_scales(w: torch.Tensor, grid: WeightGrid, n_grid: int = N_GRID, max_shrink: float = MAX_SHRINK,
-               norm: float = NORM) -> torch.Tensor:
-    """Per (output channel, block) the candidate scale minimising sum |Q(w) - w|^norm over the block: [out, n_blocks],
-    like WeightGrid.scales (the no-clip candidate is always among them, so the error is never above absmax's)."""
+def _search_scales(w: torch.Tensor, grid: WeightGrid, n_grid: int, max_shrink: float,
+                   error: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Per (output channel, block) the clip candidate whose rounding error d = Q(w) - w ([blocks, out, size]) has the
+    least `error(d)` ([blocks, out, 1]): [out, n_blocks], like WeightGrid.scales (the no-clip candidate is always
+    among them, so the error is never above absmax's)."""
     out, cols = w.shape
     size = grid.block_size or cols
     if cols % size:
@@ -106,8 +106,7 @@ def mse_scales(w: torch.Tensor, grid: WeightGrid, n_grid: int = N_GRID, max_shri
     best_err = torch.full_like(original_max, float("inf"))
     for _, scale in clip_candidates(original_max, grid, n_grid, max_shrink):
         scale = scale.clamp(min=SCALE_EPS)
-        err = (torch.clamp(torch.round(wb / scale), -grid.qmax, grid.qmax) * scale - wb).abs().pow(norm).sum(
-            -1, keepdim=True)
+        err = error(torch.clamp(torch.round(wb / scale), -grid.qmax, grid.qmax) * scale - wb)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_scale = torch.where(better, scale, best_scale)
@@ -115,30 +114,24 @@ def mse_scales(w: torch.Tensor, grid: WeightGrid, n_grid: int = N_GRID, max_shri
 
 
 @torch.no_grad()
-def output_mse_scales(w: torch.Tensor, x: torch.Tensor, grid: WeightGrid, n_grid: int = N_GRID,
+def mse_scales(w: torch.Tensor, grid: WeightGrid, n_grid: int = N_GRID, max_shrink: float = MAX_SHRINK,
+               norm: float = NORM) -> torch.Tensor:
+    """Per (output channel, block) the candidate scale minimising sum |Q(w) - w|^norm over the block: [out, n_blocks]."""
+    return _search_scales(w, grid, n_grid, max_shrink, lambda d: d.abs().pow(norm).sum(-1, keepdim=True))
+
+
+def block_gram(x: torch.Tensor, size: int) -> torch.Tensor:
+    """H_b = x_b^T x_b of the inputs x [tokens, in] per block of `size` input channels: [blocks, size, size]."""
+    xb = x.double().reshape(x.shape[0], -1, size).transpose(0, 1)  # [blocks, tokens, size]
+    return (xb.transpose(1, 2) @ xb).float()
+
+
+@torch.no_grad()
+def output_mse_scales(w: torch.Tensor, gram: torch.Tensor, grid: WeightGrid, n_grid: int = N_GRID,
                       max_shrink: float = MAX_SHRINK) -> torch.Tensor:
     """Per (output channel, block) the candidate scale minimising the block's partial output error on the inputs
-    x [tokens, in]: sum_t ((Q(w_b) - w_b) . x_tb)^2 = d_b H_b d_b^T with H_b = x_b^T x_b. [out, n_blocks] like
-    mse_scales; the no-clip candidate is among them."""
-    out, cols = w.shape
-    size = grid.block_size or cols
-    if cols % size:
-        raise ValueError(f"block_size {size} does not divide the layer's {cols} input channels")
-    blocks = cols // size
-    xb = x.double().reshape(-1, blocks, size).transpose(0, 1)  # [blocks, tokens, size]
-    h = (xb.transpose(1, 2) @ xb).float()  # [blocks, size, size]
-    wb = w.float().reshape(out, blocks, size).transpose(0, 1)  # [blocks, out, size]
-    original_max = wb.abs().amax(-1, keepdim=True)
-    best_scale = torch.zeros_like(original_max)
-    best_err = torch.full_like(original_max, float("inf"))
-    for _, scale in clip_candidates(original_max, grid, n_grid, max_shrink):
-        scale = scale.clamp(min=SCALE_EPS)
-        d = torch.clamp(torch.round(wb / scale), -grid.qmax, grid.qmax) * scale - wb
-        err = (torch.bmm(d, h) * d).sum(-1, keepdim=True)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_scale = torch.where(better, scale, best_scale)
-    return best_scale.squeeze(-1).transpose(0, 1).contiguous()
+    x: sum_t ((Q(w_b) - w_b) . x_tb)^2 = d_b H_b d_b^T, with `gram` = block_gram(x, block size). [out, n_blocks]."""
+    return _search_scales(w, grid, n_grid, max_shrink, lambda d: (torch.bmm(d, gram) * d).sum(-1, keepdim=True))
 
 
 @register_transform
@@ -173,6 +166,7 @@ class WeightClip(GridSearchTransform):
                                   context.calibration.samples)
         for i in tqdm(range(model.params["n_layers"]), desc="weight_clip", unit="layer", leave=False):
             inputs = runner.run(i) if runner is not None else None
+            grams = {}  # (input, block size) -> H blocks: q/k/v and gate/up read the same input
             for key in layer_linears(i):
                 grid = grid_for(context.cfg.quant, key)
                 if grid is None or grid.bits >= 16:
@@ -181,7 +175,9 @@ class WeightClip(GridSearchTransform):
                 if inputs is None:
                     scales = mse_scales(w, grid, c.n_grid, c.max_shrink, c.norm)
                 else:
-                    scales = output_mse_scales(w, inputs[input_of(key)], grid, c.n_grid,
-                                               c.max_shrink)
+                    gram_key = (input_of(key), grid.block_size or w.shape[1])
+                    if gram_key not in grams:
+                        grams[gram_key] = block_gram(inputs[gram_key[0]], gram_key[1])
+                    scales = output_mse_scales(w, grams[gram_key], grid, c.n_grid, c.max_shrink)
                 ranges[key] = scales * grid.qmax
         return dataclasses.replace(model, weight_ranges=ranges)
