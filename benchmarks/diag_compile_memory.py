@@ -9,6 +9,12 @@ emits the program. Prints the process's resident memory after each step and the 
 
     .venv/bin/python benchmarks/diag_compile_memory.py
     .venv/bin/python benchmarks/diag_compile_memory.py model=gemma3_270m
+    .venv/bin/python benchmarks/diag_compile_memory.py --parallel   # the default path: compile_workers=2
+
+--parallel lowers the graphs as a default run does (the first here, the others in forked workers,
+qexp/backends/htp/parallel.py) and prints this process's RSS and each worker's at each point of it (after the
+fork, after lowering here, after each worker ends, after its program is read back and deserialized), with the
+peak between the points.
 """
 
 from __future__ import annotations
@@ -64,8 +70,74 @@ def step(label: str, fn):
     return out
 
 
+def children_rss_mib() -> dict:
+    out = {}
+    for pid in os.popen(f"pgrep -P {os.getpid()}").read().split():
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                out[int(pid)] = int(f.read().split()[1]) * PAGE / 2**20
+        except OSError:
+            pass
+    return out
+
+
+class Points:
+    """RSS of this process and its children at named points of the parallel lowering, and the peaks between them."""
+
+    def __init__(self):
+        self.peak, self.child_peak, self._stop = 0.0, 0.0, threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while not self._stop.wait(0.2):
+            self.peak = max(self.peak, rss_mib())
+            self.child_peak = max([self.child_peak, *children_rss_mib().values()])
+
+    def mark(self, label: str):
+        kids = children_rss_mib()
+        print(f"  {label:44s} here {rss_mib() / 1024:5.2f} GiB (peak since last {self.peak / 1024:5.2f})   "
+              f"workers {', '.join(f'{v / 1024:.2f}' for v in kids.values()) or '-'} GiB "
+              f"(peak since last {self.child_peak / 1024:5.2f})", flush=True)
+        self.peak, self.child_peak = rss_mib(), max(kids.values(), default=0.0)
+
+    def stop(self):
+        self._stop.set()
+
+
+def instrument_parallel(points: Points) -> None:
+    """Wrap the parallel lowering's steps so each prints the memory at its end."""
+    from qexp.backends.htp import parallel
+
+    fork, collect, waitpid = parallel._fork, parallel._collect, os.waitpid
+    workers = set()
+
+    def _fork(name, *a, **k):
+        pid = fork(name, *a, **k)
+        workers.add(pid)
+        points.mark(f"forked the worker for {name}")
+        return pid
+
+    def _waitpid(pid, options):
+        if pid not in workers:  # subprocess and os.popen wait for their children through os.waitpid too
+            return waitpid(pid, options)
+        workers.discard(pid)
+        points.mark("lowered the first graph here")
+        out = waitpid(pid, options)
+        points.mark(f"worker {pid} ended")
+        return out
+
+    def _collect(name, *a, **k):
+        program = collect(name, *a, **k)
+        points.mark(f"read back and deserialized {name}")
+        return program
+
+    parallel._fork, parallel._collect = _fork, _collect
+    os.waitpid = _waitpid  # parallel.py calls os.waitpid (the one os module)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parallel", action="store_true", help="lower as a default run does (compile_workers=2)")
     parser.add_argument("overrides", nargs="*", default=[])
     args = parser.parse_args()
     from hydra import compose, initialize_config_dir
@@ -95,6 +167,14 @@ def main() -> None:
             graphs[name] = step(f"build {name} (AR-{ar_len})", lambda: _deploy_graph(
                 state.deploy_model, cfg, name, ar_len, state.qdq.r3, stats, state.timer))
         lpbq = cfg.backend.w4_lowering == W4Lowering.lpbq
+        if args.parallel:
+            points = Points()
+            instrument_parallel(points)
+            points.mark("before lowering")
+            step("lower all graphs in workers (+ to_executorch)",
+                 lambda: _lower(graphs, {}, state.timer, lpbq, workers=2))
+            points.stop()
+            return
         for name in list(graphs):
             graph = {name: graphs[name]}
             step(f"lower {name} alone (+ to_executorch)", lambda: _lower(graph, {}, state.timer, lpbq, workers=1))

@@ -116,6 +116,37 @@ def test_parallel_lowering_and_speed_ups_leave_the_program_unchanged(deployed, t
     assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
 
 
+def test_a_worker_program_read_back_without_delegate_weights_emits_the_same_pte(deployed, tiny_model):
+    """A compile worker sends its lowered graph to the parent without the float weights the lowered program no longer
+    uses (parallel.drop_unused_weights): the parent's .pte is byte-identical to the one emitted from the program as
+    lowered, and what crosses the process boundary no longer carries the weights (nor their copy in the delegate)."""
+    import pickle
+
+    from executorch.exir import EdgeProgramManager
+    from executorch.backends.qualcomm.utils.utils import qnn_edge_config
+    from executorch.exir.serde.serialize import serialize
+
+    from qexp.backends.htp.lower import _deploy_graph, lower_graphs
+    from qexp.backends.htp.parallel import from_payload, to_payload
+    from qexp.upstream.private import executorch_backend_config
+
+    cfg, static, qdq, _, _, _ = deployed
+    stats = torch.load(qdq.stats_path, weights_only=True)
+    graph = _deploy_graph(tiny_model, cfg, KV_GRAPH, 1, static.r3, stats, StageTimer())
+    lowered = lower_graphs({KV_GRAPH: graph}).exported_program(KV_GRAPH)
+
+    def pte(program) -> bytes:
+        return EdgeProgramManager({KV_GRAPH: program}, compile_config=qnn_edge_config()) \
+            .to_executorch(executorch_backend_config()).buffer
+
+    as_lowered = pte(lowered)
+    with_weights = len(pickle.dumps(serialize(lowered)))
+    payload = pickle.dumps(to_payload(lowered))
+    weights = sum(t.numel() * t.element_size() for t in graph["module"].state_dict().values())
+    assert len(payload) < with_weights - weights, (len(payload), with_weights, weights)
+    assert pte(from_payload(pickle.loads(payload))) == as_lowered
+
+
 def test_sharded_program_gives_the_same_outputs(deployed, tiny_model, tmp_path):
     """backend.num_sharding (upstream's --num_sharding): each graph split into QNN contexts at a layer boundary, with
     ExecuTorch's llama.fallback op between them on the CPU; the cut edge stays quantized, so the outputs are the

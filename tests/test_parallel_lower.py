@@ -13,9 +13,21 @@ import pytest
 from qexp.backends.htp.parallel import lower_in_workers
 
 
+class _Program:
+    """What the parent does with its own lowered program before collecting the workers' (drop_unused_weights):
+    an ExportedProgram's signature, state_dict and graph module, empty."""
+
+    def __init__(self):
+        import torch
+        from types import SimpleNamespace
+
+        self.graph_signature = SimpleNamespace(inputs_to_parameters={}, inputs_to_buffers={})
+        self.state_dict, self.graph_module = {}, torch.nn.Module()
+
+
 class _Lowered:
     def exported_program(self, name):
-        return f"program of {name}"
+        return _Program()
 
 
 def _children():

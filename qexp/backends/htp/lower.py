@@ -283,38 +283,43 @@ def shard_graph(passes: dict, deps: dict, n_layers: int, shares: int) -> None:
     deps[TagQuantIO] = [split_graph]
 
 
+def lower_graphs(graphs: dict, constant_methods=None):
+    """Deploy graphs (_deploy_graph's dicts, by method name) -> the HTP-delegated EdgeProgramManager, by upstream's
+    one lowering call (one QNN context for all of them)."""
+    from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
+
+    return to_edge_transform_and_lower_to_qnn(
+        module={n: g["module"] for n, g in graphs.items()}, inputs={n: g["inputs"] for n, g in graphs.items()},
+        compiler_specs={n: g["spec"] for n, g in graphs.items()}, constant_methods=constant_methods,
+        dep_table={n: g["deps"] for n, g in graphs.items()}, passes_job={n: g["passes"] for n, g in graphs.items()},
+        skip_node_op_set={"llama.fallback.default"},
+    )
+
+
 def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: bool, workers: int = 1):
     """All graphs into one HTP-delegated program -> (.pte bytes, delegated / non-delegated node counts per graph,
     the processes that lowered them).
     workers > 1: each graph but the first lowered in its own process at the same time (qexp/backends/htp/parallel.py:
     one QNN context per graph); 1: upstream's single call (one QNN context holding every graph)."""
-    from executorch.backends.qualcomm.utils.utils import qnn_edge_config, to_edge_transform_and_lower_to_qnn
+    from executorch.backends.qualcomm.utils.utils import qnn_edge_config
     from executorch.devtools.backend_debug import get_delegation_info
     from executorch.exir import EdgeProgramManager
 
     from qexp.backends.htp.parallel import lower_in_workers
-
-    def lower_one(subset: dict, methods=None):
-        return to_edge_transform_and_lower_to_qnn(
-            module={n: g["module"] for n, g in subset.items()}, inputs={n: g["inputs"] for n, g in subset.items()},
-            compiler_specs={n: g["spec"] for n, g in subset.items()}, constant_methods=methods,
-            dep_table={n: g["deps"] for n, g in subset.items()}, passes_job={n: g["passes"] for n, g in subset.items()},
-            skip_node_op_set={"llama.fallback.default"},
-        )
 
     w4_encoding = lower_4bit_per_channel_as_lpbq() if w4_as_lpbq else contextlib.nullcontext()
     if workers > 1 and not _room_for_workers(len(graphs) - 1):  # compile_workers() keeps workers <= len(graphs)
         workers = 1
     with timer.stage("lower"), w4_encoding:
         if workers > 1:
-            programs = lower_in_workers(graphs, lower_one)
+            programs = lower_in_workers(graphs, lower_graphs)
             edge = EdgeProgramManager(programs, constant_methods, compile_config=qnn_edge_config())
         else:
             from qexp.backends.htp.progress import lowering_bars
 
             together = " + ".join(graphs)  # one call lowers every graph into one QNN context
             with lowering_bars({together: "this process"}) as done:
-                edge = lower_one(graphs, constant_methods)
+                edge = lower_graphs(graphs, constant_methods)
                 done(together)
     # what the lowering freed (ExecuTorch's intermediate programs) back to the OS before the program is emitted and
     # the emulator loads it (qexp/timing.release_memory)

@@ -57,6 +57,9 @@ def lower_in_workers(graphs: Dict[str, dict], lower_one: Callable[[Dict[str, dic
                 here = lower_one({names[0]: graphs[names[0]]})
                 programs = {names[0]: here.exported_program(names[0])}
                 seconds[names[0]] = done(names[0])
+                del here
+                drop_unused_weights(programs[names[0]])  # as the workers' programs arrive: without them
+                release_memory()  # before the workers' programs are read back
                 for name in names[1:]:
                     _, status = os.waitpid(pending[name], 0)
                     del pending[name]
@@ -104,14 +107,10 @@ def _fork(name: str, graph: dict, lower_one, tmp: Path) -> int:
         handler = logging.StreamHandler(log_buffer)
         handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
         logging.getLogger().addHandler(handler)
-        program = lower_one({name: graph}).exported_program(name)
-        from executorch.exir.serde.serialize import serialize
-
-        artifact = serialize(program)
-        parts = (artifact.exported_program, artifact.state_dict, artifact.constants, artifact.example_inputs)
+        payload = to_payload(lower_one({name: graph}).exported_program(name))
+        payload["log"] = log_buffer.getvalue()
         with open(tmp / f"{name}.partial", "wb") as f:
-            pickle.dump({"artifact": parts, "meta": _backend_meta(program), "log": log_buffer.getvalue()}, f,
-                        protocol=5)
+            pickle.dump(payload, f, protocol=5)
         os.replace(tmp / f"{name}.partial", tmp / f"{name}.pkl")
         status = 0
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent as one line
@@ -137,9 +136,6 @@ def _die_with_parent() -> None:
 
 
 def _collect(name: str, status: int, tmp: Path):
-    from executorch.exir.serde.export_serialize import SerializedArtifact
-    from executorch.exir.serde.serialize import deserialize
-
     result, error = tmp / f"{name}.pkl", tmp / f"{name}.error"
     if os.WIFSIGNALED(status):
         sig = signal.Signals(os.WTERMSIG(status)).name
@@ -152,13 +148,71 @@ def _collect(name: str, status: int, tmp: Path):
         raise RuntimeError(f"the compile worker for {name} failed: {detail.splitlines()[0]}")
     with open(result, "rb") as f:
         payload = pickle.load(f)
-    _append_to_run_log(payload["log"])
+    _append_to_run_log(payload.pop("log"))
+    return from_payload(payload)
+
+
+def to_payload(program) -> dict:
+    """A lowered edge program as picklable data for the parent: ExecuTorch's serializer (`executorch.exir.serde`)
+    plus the backend's node metadata it does not keep. The weights the lowered program no longer uses are left
+    out first (drop_unused_weights)."""
+    from executorch.exir.serde.serialize import serialize
+
+    drop_unused_weights(program)
+    artifact = serialize(program)
+    parts = (artifact.exported_program, artifact.state_dict, artifact.constants, artifact.example_inputs)
+    return {"artifact": parts, "meta": _backend_meta(program)}
+
+
+def from_payload(payload: dict):
+    from executorch.exir.serde.export_serialize import SerializedArtifact
+    from executorch.exir.serde.serialize import deserialize
+
     program = deserialize(SerializedArtifact(*payload["artifact"]))
     nodes = {node.name: node for node in program.graph_module.graph.nodes}
     for node_name, meta in payload["meta"].items():
         for key, value in meta.items():
             nodes[node_name].meta.setdefault(key, value)
     return program
+
+
+def drop_unused_weights(program) -> None:
+    """Leave out, in place, the float weights a lowered program carries but no longer uses: measured on SmolLM2's
+    kv_forward, the outer program's state_dict still holds every weight of the converted module (622 MiB of fp32
+    the graph has no placeholder for: all of them went into the QNN context) and the delegate keeps the whole
+    pre-lowering program beside its compiled bytes (its `original_module`, 239 MiB of tensors). ExecuTorch's
+    serializer carries both as base64 inside JSON inside the pickle; reading that back in the parent peaked 3.2 GiB
+    above where it started, 1.7 GiB without the delegate's copy, and was the default run's memory peak
+    (benchmarks/diag_compile_memory.py --parallel). The unused state_dict entries are deleted; the delegate's
+    tensors become one-element stand-ins of the same shapes (_placeholder_like), since emitting the .pte reads the
+    delegate's compiled bytes and its original graph's nodes (debug handles, output count), never their values.
+    The .pte bytes are the same (tests/test_htp.py)."""
+    import torch
+    from executorch.exir.lowered_backend_module import LoweredBackendModule
+
+    signature = program.graph_signature
+    used = {*signature.inputs_to_parameters.values(), *signature.inputs_to_buffers.values()}
+    for key in [key for key in program.state_dict if key not in used]:
+        del program.state_dict[key]
+    for module in program.graph_module.modules():
+        if not isinstance(module, LoweredBackendModule):
+            continue
+        original = module.original_module
+        for tensors in (original.state_dict, original.constants):
+            for key, value in list(tensors.items()):
+                if isinstance(value, torch.Tensor):
+                    tensors[key] = _placeholder_like(value)
+
+
+def _placeholder_like(value):
+    """A tensor with `value`'s shape, dtype and device holding one element (a stride-0 view): passes that propagate
+    fake tensors through the delegate see the same metadata (meta tensors would fail their device checks), and the
+    serializer saves one element."""
+    import torch
+
+    stub = value.detach().new_zeros(()).expand(value.shape)
+    return torch.nn.Parameter(stub, requires_grad=value.requires_grad) if isinstance(value, torch.nn.Parameter) \
+        else stub
 
 
 # Node metadata ExecuTorch's serializer keeps (or rebuilds) itself; anything else a backend put on the lowered
