@@ -104,7 +104,7 @@ def test_parallel_lowering_and_speed_ups_leave_the_program_unchanged(deployed, t
     assert cfg.backend.compile_workers == 2 and program.meta["lowering"]["contexts"] == "per_graph"
     monkeypatch.setattr(lower, "provenance_without_deep_copies", contextlib.nullcontext)
     cfg = cfg.copy()
-    cfg.backend.compile_workers = 1  # upstream's one-process lowering: one QNN context for both graphs
+    cfg.backend.contexts = "shared"  # upstream's one-process lowering: one QNN context for both graphs
     plain = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
     assert not plain.cache_hit and plain.meta["lowering"]["contexts"] == "shared"
     assert abs(plain.pte_bytes - program.pte_bytes) < 0.02 * program.pte_bytes, (plain.pte_bytes, program.pte_bytes)
@@ -112,6 +112,25 @@ def test_parallel_lowering_and_speed_ups_leave_the_program_unchanged(deployed, t
         {k: v for k, v in program.meta.items() if k != "lowering"}
     other = HtpRunner(plain)
     ids = windows.ids[0][:20]
+    assert torch.equal(other.prefill_logits(ids), runner.prefill_logits(ids))
+    assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
+
+
+def test_graphs_lowered_in_turn_give_the_parallel_program_from_its_cache_entry(deployed, tiny_model, cache_dir,
+                                                                              tmp_path):
+    """backend.compile_workers=1 lowers the graphs one after the other in this process into the same per-graph
+    contexts as the parallel workers: the same program (bit-identical emulator outputs), and since how many
+    processes lower it is a speed setting, it is the parallel compile's cache entry (a hit, no recompile)."""
+    cfg, static, qdq, program, runner, windows = deployed
+    cfg = cfg.copy()
+    cfg.backend.compile_workers = 1
+    hit = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(cache_dir), StageTimer(), library_versions())
+    assert hit.cache_hit and hit.key == program.key
+    cold = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
+    assert not cold.cache_hit and cold.key == program.key
+    assert cold.meta["lowering"] == {**program.meta["lowering"], "workers": 1}
+    ids = windows.ids[0][:20]
+    other = HtpRunner(cold)
     assert torch.equal(other.prefill_logits(ids), runner.prefill_logits(ids))
     assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
 

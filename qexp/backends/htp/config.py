@@ -37,6 +37,14 @@ class W4Lowering(enum.Enum):
     per_channel = "per_channel"  # QNN's per-channel 4-bit encoding: HTP truncates its accumulator (+12% on SmolLM2)
 
 
+class Contexts(enum.Enum):
+    """How a multi-graph program's graphs (hybrid / lookahead: kv_forward and prefill_forward) are put into QNN
+    contexts. Same computation either way (bit-identical emulator outputs, tests/test_htp.py)."""
+
+    per_graph = "per_graph"  # each graph lowered on its own into its own context: in parallel workers or in turn
+    shared = "shared"  # upstream's one lowering call: one context holding every graph (one process, ~1.5x the peak)
+
+
 class KvUpdate(enum.Enum):
     smart_mask = "smart_mask"  # write each new token's K/V at its position and unmask it (what upstream ships)
     shift_pointer = "shift_pointer"  # slide the cache window by advancing its start pointer
@@ -51,8 +59,10 @@ class HtpConfig(BackendConfig):
     max_seq_len: int = 256  # context of the deployed graphs; must equal export.max_context_len (the calibration)
     kv_update: KvUpdate = KvUpdate.smart_mask
     w4_lowering: W4Lowering = W4Lowering.lpbq
-    # graphs lowered at once, each in its own process (hybrid/lookahead have two; QNN lowering is single-threaded
-    # Python work): 1 = upstream's one-process lowering, one QNN context shared by the graphs
+    # QNN contexts of a multi-graph program: per_graph (each graph lowered on its own) or shared (upstream's one call)
+    contexts: Contexts = Contexts.per_graph
+    # per_graph: graphs lowered at once, each in its own process (QNN lowering is single-threaded Python work);
+    # 1 = one after the other in this process, the lowest peak memory. A speed setting: same program, same cache entry.
     compile_workers: int = 2
     # QNN contexts per graph, split evenly by decoder layers (upstream's --num_sharding: ExecuTorch's SplitGraph pass
     # and multi-context HTP specs). Each shard is compiled on its own, so the compile's peak memory is one shard's.

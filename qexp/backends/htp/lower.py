@@ -24,7 +24,7 @@ from typing import Dict
 
 import torch
 
-from qexp.backends.htp.config import ModelMode, W4Lowering
+from qexp.backends.htp.config import Contexts, ModelMode, W4Lowering
 from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
 from qexp.cache import Cache, stable_hash
 from qexp.errors import ConfigError
@@ -85,7 +85,7 @@ def _room_for_workers(n_workers: int) -> bool:
     if available >= need:
         return True
     log.warning("lowering the graphs one after the other: %.1f GiB of memory available, %.1f GiB wanted for %d "
-                "compile worker(s) (backend.compile_workers=1 avoids this check)", available / 2**30, need / 2**30,
+                "compile worker(s) (the same program; backend.compile_workers=1 avoids this check)", available / 2**30, need / 2**30,
                 n_workers)
     return False
 
@@ -185,12 +185,13 @@ def compile_pte(
     backend = cfg.backend
     context = int(backend.max_seq_len)
     ar_lens = graph_ar_lens(backend)
-    workers = compile_workers(backend, len(ar_lens))
+    per_graph = backend.contexts == Contexts.per_graph and len(ar_lens) > 1
     key = stable_hash({
         "version": _LOWER_CACHE_VERSION, "qdq": qdq.key, "soc": backend.soc.value, "ar_lens": ar_lens,
         "context": context, "w4_lowering": backend.w4_lowering.value, "qnn": sdk.version, "versions": versions,
-        # a QNN context per graph (parallel lowering) or one shared by all graphs: a different program layout
-        **({"contexts": "per_graph"} if workers > 1 else {}),
+        # a QNN context per graph or one shared by all graphs: a different program layout (how many processes
+        # lower the graphs is not: compile_workers is a speed setting and shares the cache entry)
+        **({"contexts": "per_graph"} if per_graph else {}),
         **({"num_sharding": backend.num_sharding} if backend.num_sharding > 1 else {}),
     }, length=24)
     check_num_sharding(backend.num_sharding, model.params["n_layers"])  # validation could not if the metadata is mute
@@ -204,6 +205,7 @@ def compile_pte(
             constant_methods = {k: v for k, v in first["meta"].items() if k != "get_ar_len"}
             constant_methods["get_logits_scale"], constant_methods["get_logits_zero_point"] = \
                 first["encodings"]["logits"]
+            workers = compile_workers(backend, len(ar_lens)) if per_graph else 0
             buffer, delegation, used = _lower(graphs, constant_methods, timer,
                                               backend.w4_lowering == W4Lowering.lpbq, workers)
         (tmp / PTE_FILE).write_bytes(buffer)
@@ -213,7 +215,7 @@ def compile_pte(
             "encodings": {name: g["encodings"] for name, g in graphs.items()}, "delegation": delegation,
             "soc": backend.soc.value, "qnn": sdk.version, "qdq_key": qdq.key,
             "sliding_window": first["meta"].get("get_sliding_window"),
-            "lowering": {"workers": used, "contexts": "per_graph" if used > 1 else "shared",
+            "lowering": {"workers": max(used, 1), "contexts": "per_graph" if per_graph else "shared",
                          "num_sharding": backend.num_sharding},
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
@@ -296,24 +298,25 @@ def lower_graphs(graphs: dict, constant_methods=None):
     )
 
 
-def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: bool, workers: int = 1):
+def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: bool, workers: int = 0):
     """All graphs into one HTP-delegated program -> (.pte bytes, delegated / non-delegated node counts per graph,
-    the processes that lowered them).
-    workers > 1: each graph but the first lowered in its own process at the same time (qexp/backends/htp/parallel.py:
-    one QNN context per graph); 1: upstream's single call (one QNN context holding every graph)."""
+    the processes that lowered them at once).
+    workers >= 1: each graph lowered on its own into its own QNN context (qexp/backends/htp/parallel.py), `workers`
+    of them at once in forked processes (1: one after the other in this process); 0: upstream's single call (one
+    QNN context holding every graph)."""
     from executorch.backends.qualcomm.utils.utils import qnn_edge_config
     from executorch.devtools.backend_debug import get_delegation_info
     from executorch.exir import EdgeProgramManager
 
-    from qexp.backends.htp.parallel import lower_in_workers
+    from qexp.backends.htp.parallel import lower_in_turn, lower_in_workers
 
     w4_encoding = lower_4bit_per_channel_as_lpbq() if w4_as_lpbq else contextlib.nullcontext()
     if workers > 1 and not _room_for_workers(len(graphs) - 1):  # compile_workers() keeps workers <= len(graphs)
         workers = 1
     with timer.stage("lower"), w4_encoding:
-        if workers > 1:
-            programs = lower_in_workers(graphs, lower_graphs)
-            edge = EdgeProgramManager(programs, constant_methods, compile_config=qnn_edge_config())
+        if workers >= 1:
+            lower = lower_in_workers if workers > 1 else lower_in_turn
+            edge = EdgeProgramManager(lower(graphs, lower_graphs), constant_methods, compile_config=qnn_edge_config())
         else:
             from qexp.backends.htp.progress import lowering_bars
 

@@ -1,4 +1,5 @@
-"""Lowering a multi-graph program with one process per graph.
+"""Lowering a multi-graph program one graph at a time, each into its own QNN context: in worker processes at once
+(lower_in_workers, backend.compile_workers=2) or one after the other in this process (lower_in_turn, 1).
 
 Profiled on SmolLM2 (hybrid, two graphs, 419 s of lowering): 85% of it is ExecuTorch's and torch's Python graph work
 per method (export, decompositions, edge passes, partitioning, op wrappers) and QNN's own graph preparation is ~5%;
@@ -9,11 +10,12 @@ lowers the first. The child sends its lowered edge program back through ExecuTor
 (`executorch.exir.serde`, what ETRecord uses for delegated programs); the parent assembles the methods in their
 usual order into one EdgeProgramManager and emits the .pte.
 
-What changes: each graph has its own QNN context binary (a single lowering call puts all graphs' op wrappers into
-one shared context). The graphs are compiled from the same edge programs with the same specs, so they compute the
-same: tests/test_htp.py requires bit-identical emulator outputs against the one-process lowering. QNN's context
-binaries are not byte-reproducible even between two identical compiles, so bytes are not the check. The cache key of
-the .pte records the layout (`contexts`).
+What changes against upstream's single lowering call (`backend.contexts=shared`): each graph has its own QNN
+context binary (the single call puts all graphs' op wrappers into one shared context). The graphs are compiled from
+the same edge programs with the same specs, so they compute the same: tests/test_htp.py requires bit-identical
+emulator outputs against the one-process lowering. QNN's context binaries are not byte-reproducible even between
+two identical compiles, so bytes are not the check. The cache key of the .pte records the layout (`contexts`), not
+how many processes made it: compile_workers 1 and 2 give the same program and share a cache entry.
 
 A forked child starts with the parent's memory shared copy-on-write; it sets one intra-op thread (torch's OpenMP
 pool does not survive a fork) and ends with os._exit, never returning into the parent's code (MLflow, Hydra).
@@ -74,6 +76,24 @@ def lower_in_workers(graphs: Dict[str, dict], lower_one: Callable[[Dict[str, dic
                 except (ProcessLookupError, ChildProcessError):
                     pass
     return {name: programs[name] for name in names}
+
+
+def lower_in_turn(graphs: Dict[str, dict], lower_one: Callable[[Dict[str, dict]], object]) -> Dict[str, object]:
+    """{method: lowered edge ExportedProgram}: the layout lower_in_workers gives (a QNN context per graph), lowered
+    one after the other in this process, each program without the weights it no longer uses before the next
+    starts. The lowest peak memory: one graph's lowering (backend.compile_workers=1)."""
+    from qexp.backends.htp.progress import lowering_bars
+    from qexp.timing import release_memory
+
+    programs, seconds = {}, {}
+    for name in graphs:
+        with lowering_bars({name: "this process"}) as done:
+            programs[name] = lower_one({name: graphs[name]}).exported_program(name)
+            seconds[name] = done(name)
+        drop_unused_weights(programs[name])
+        release_memory()
+    log.info("lowered %s, one after the other", ", ".join(f"{name} in {seconds[name]:.0f} s" for name in graphs))
+    return programs
 
 
 def _finish_time(name: str, tmp: Path):
