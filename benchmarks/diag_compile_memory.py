@@ -10,6 +10,7 @@ emits the program. Prints the process's resident memory after each step and the 
     .venv/bin/python benchmarks/diag_compile_memory.py
     .venv/bin/python benchmarks/diag_compile_memory.py model=gemma3_270m
     .venv/bin/python benchmarks/diag_compile_memory.py --parallel   # the default path: compile_workers=2
+    .venv/bin/python benchmarks/diag_compile_memory.py --in-turn    # compile_workers=1: one graph after the other
 
 --parallel lowers the graphs as a default run does (the first here, the others in forked workers,
 qexp/backends/htp/parallel.py) and prints this process's RSS and each worker's at each point of it (after the
@@ -138,6 +139,8 @@ def instrument_parallel(points: Points) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parallel", action="store_true", help="lower as a default run does (compile_workers=2)")
+    parser.add_argument("--in-turn", action="store_true",
+                        help="lower as compile_workers=1 does (one graph after the other, per-graph contexts)")
     parser.add_argument("overrides", nargs="*", default=[])
     args = parser.parse_args()
     from hydra import compose, initialize_config_dir
@@ -167,6 +170,9 @@ def main() -> None:
             graphs[name] = step(f"build {name} (AR-{ar_len})", lambda: _deploy_graph(
                 state.deploy_model, cfg, name, ar_len, state.qdq.r3, stats, state.timer))
         lpbq = cfg.backend.w4_lowering == W4Lowering.lpbq
+        if args.in_turn:
+            step("lower all graphs in turn (+ to_executorch)", lambda: _lower(graphs, {}, state.timer, lpbq, workers=1))
+            return
         if args.parallel:
             points = Points()
             instrument_parallel(points)

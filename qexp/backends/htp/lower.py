@@ -85,8 +85,8 @@ def _room_for_workers(n_workers: int) -> bool:
     if available >= need:
         return True
     log.warning("lowering the graphs one after the other: %.1f GiB of memory available, %.1f GiB wanted for %d "
-                "compile worker(s) (the same program; backend.compile_workers=1 avoids this check)", available / 2**30, need / 2**30,
-                n_workers)
+                "compile worker(s) (the same program; backend.compile_workers=1 avoids this check)",
+                available / 2**30, need / 2**30, n_workers)
     return False
 
 
