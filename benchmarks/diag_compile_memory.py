@@ -72,12 +72,13 @@ def step(label: str, fn):
 
 
 def children_rss_mib() -> dict:
+    import psutil
+
     out = {}
-    for pid in os.popen(f"pgrep -P {os.getpid()}").read().split():
+    for child in psutil.Process().children():
         try:
-            with open(f"/proc/{pid}/statm") as f:
-                out[int(pid)] = int(f.read().split()[1]) * PAGE / 2**20
-        except OSError:
+            out[child.pid] = child.memory_info().rss / 2**20
+        except psutil.NoSuchProcess:
             pass
     return out
 
@@ -119,7 +120,7 @@ def instrument_parallel(points: Points) -> None:
         return pid
 
     def _waitpid(pid, options):
-        if pid not in workers:  # subprocess and os.popen wait for their children through os.waitpid too
+        if pid not in workers:  # subprocess waits for its children through os.waitpid too
             return waitpid(pid, options)
         workers.discard(pid)
         points.mark("lowered the first graph here")
