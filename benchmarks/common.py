@@ -13,6 +13,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def machine_used_mib() -> float:
+    """Memory in use on the whole machine (MiB): MemTotal - MemAvailable from /proc/meminfo.
+
+    Its rise over a run is the process tree's physical memory with each page counted once (a forked worker's
+    copy-on-write pages shared with its parent count once, where summed RSS counts them twice), plus whatever else
+    the machine did meanwhile (nothing else runs during a benchmark; reclaimable page cache is not counted). Cheap to
+    read, unlike PSS (/proc/PID/smaps_rollup), whose sampling slowed the runs it measured."""
+    fields = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            fields[key] = int(value.split()[0])
+    return (fields["MemTotal"] - fields["MemAvailable"]) / 1024
+
+
 def run_qexp(label: str, args: list[str], store: str) -> tuple[float, subprocess.CompletedProcess]:
     """Run `python -m qexp ARGS` logging into `store`; return (wall seconds, the process). Exits on failure."""
     print(f"[bench] {label}: python -m qexp {' '.join(args)}", flush=True)

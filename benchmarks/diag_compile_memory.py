@@ -15,7 +15,9 @@ emits the program. Prints the process's resident memory after each step and the 
 --parallel lowers the graphs as a default run does (the first here, the others in forked workers,
 qexp/backends/htp/parallel.py) and prints this process's RSS and each worker's at each point of it (after the
 fork, after lowering here, after each worker ends, after its program is read back and deserialized), with the
-peak between the points.
+peak between the points, and the peak rise of the machine's memory in use since the lowering started (each page
+counted once: the whole tree's physical memory beyond this process's RSS at the start; summed RSS counts the pages a
+worker shares with this process twice).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks.common import machine_used_mib  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -88,19 +91,25 @@ class Points:
 
     def __init__(self):
         self.peak, self.child_peak, self._stop = 0.0, 0.0, threading.Event()
+        # the machine's memory in use (each page once, so shared copy-on-write pages are not counted twice), as a rise
+        # over what was in use when the lowering started: this process's part of it is its RSS at that point
+        self.machine_before = self.machine_peak = machine_used_mib()
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self):
         while not self._stop.wait(0.2):
             self.peak = max(self.peak, rss_mib())
             self.child_peak = max([self.child_peak, *children_rss_mib().values()])
+            self.machine_peak = max(self.machine_peak, machine_used_mib())
 
     def mark(self, label: str):
         kids = children_rss_mib()
         print(f"  {label:44s} here {rss_mib() / 1024:5.2f} GiB (peak since last {self.peak / 1024:5.2f})   "
               f"workers {', '.join(f'{v / 1024:.2f}' for v in kids.values()) or '-'} GiB "
-              f"(peak since last {self.child_peak / 1024:5.2f})", flush=True)
+              f"(peak since last {self.child_peak / 1024:5.2f})   machine in use +"
+              f"{(self.machine_peak - self.machine_before) / 1024:5.2f} GiB at peak since last", flush=True)
         self.peak, self.child_peak = rss_mib(), max(kids.values(), default=0.0)
+        self.machine_peak = machine_used_mib()
 
     def stop(self):
         self._stop.set()

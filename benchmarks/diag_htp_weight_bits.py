@@ -12,6 +12,12 @@ qexp/quant/htp_arithmetic.py): "HTP vs htp_exact" and the share of bit-exact out
 the emulator.
 
     .venv/bin/python benchmarks/diag_htp_weight_bits.py [--weight layers.0.feed_forward.w1.weight] [overrides ...]
+    .venv/bin/python benchmarks/diag_htp_weight_bits.py --inputs real model=gemma3_270m --weight layers.0.feed_forward.w2.weight
+
+--inputs real feeds the layer what it sees in the model instead of Gaussian rows: its inputs in the float model
+(the run's static llama, a forward hook) on the run's calibration samples, the first ones to calibrate the
+one-layer program and the last one, held out, to compare HTP with QDQ on (its 256 positions in batches of 32).
+Only the model's own weight is used then (the Gaussian weight copy tests the weights' shape, not the inputs).
 """
 
 from __future__ import annotations
@@ -58,10 +64,39 @@ class _OneLinear(torch.nn.Module):
         return self.linear(x)
 
 
+def real_inputs(cfg, weight_key: str, batch: int = 32) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The inputs of the linear holding `weight_key` in the run's float static llama, on the run's calibration samples:
+    ([batch, in_features] rows of every sample but the last, the last sample's rows)."""
+    from qexp.models.static_llama import window_logits
+    from qexp.pipeline import prepare
+    from qexp.transforms.grid import static_module_path
+
+    state = prepare(cfg, "calibration")
+    static = state.fp_static
+    conv = static.module.get_submodule(static_module_path(weight_key))
+    seen = []
+    # a 1x1 conv's input is [batch, channels, h, w]: one row per position, the channels last
+    handle = conv.register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].detach().movedim(1, -1).reshape(-1, args[0].shape[1]).clone()))
+    per_sample = []
+    for sample in state.calibration.samples:
+        seen.clear()
+        window_logits(static.module, static, sample)
+        per_sample.append(torch.cat(seen)[: len(sample)].float())
+    handle.remove()
+    rows = torch.cat(per_sample[:-1])
+    rows = rows[: len(rows) // batch * batch]
+    held_out = per_sample[-1][: len(per_sample[-1]) // batch * batch]
+    return list(rows.split(batch)), held_out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weight", default="layers.0.feed_forward.w1.weight")
     parser.add_argument("--block-size", type=int, default=32, help="16a4w_block's block size")
+    parser.add_argument("--inputs", choices=("gaussian", "real"), default="gaussian",
+                        help="Gaussian rows, or the layer's inputs in the float model on the calibration text")
+    parser.add_argument("--schemes", default="16a8w,16a4w,16a4w_lpbq,16a4w_block")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
@@ -99,17 +134,26 @@ def main() -> None:
 
     weight = load_model(cfg.model, cache).state_dict[args.weight].float()
     generator = torch.Generator().manual_seed(0)
-    weights = {"model": weight, "gaussian": torch.randn(weight.shape, generator=generator) * weight.std()}
-    calibration = [torch.randn(32, weight.shape[1], generator=generator) for _ in range(8)]
-    x = (torch.randn(32, weight.shape[1], generator=generator),)
+    if args.inputs == "real":
+        weights = {"model": weight}
+        calibration, held_out = real_inputs(cfg, args.weight)
+        # one .pte input shape: the held-out rows in batches of 32, the first one also the export's example
+        batches = list(held_out.split(32))
+        x = (batches[0],)
+    else:
+        weights = {"model": weight, "gaussian": torch.randn(weight.shape, generator=generator) * weight.std()}
+        calibration = [torch.randn(32, weight.shape[1], generator=generator) for _ in range(8)]
+        x = (torch.randn(32, weight.shape[1], generator=generator),)
+        batches = [x[0]]
     soc = getattr(QcomChipset, cfg.backend.soc.value)
     results = {}
-    print(f"{cfg.model.name} {args.weight} {tuple(weight.shape)}, target=x86_emulator")
+    print(f"{cfg.model.name} {args.weight} {tuple(weight.shape)}, {args.inputs} inputs "
+          f"({len(calibration)} calibration batches, {sum(len(b) for b in batches)} compared rows), target=x86_emulator")
     with tempfile.TemporaryDirectory() as tmp:
         for source, w in weights.items():
             # 16a4w_lpbq: the same 16a4w QDQ program, its per-channel 4-bit weights lowered as LPBQ with one block
             # per row (qexp's default HTP lowering, backend.w4_lowering=lpbq)
-            for scheme in ("16a8w", "16a4w", "16a4w_lpbq", "16a4w_block"):
+            for scheme in args.schemes.split(","):
                 linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).eval()
                 linear.weight.data = w.clone()
                 # as the static llama runs it: a 1x1 conv (HTP's Conv2d kernels; LPBQ lowers convolutions only)
@@ -121,7 +165,7 @@ def main() -> None:
                     quantizer.set_default_quant_config(getattr(QuantDtype, f"use_{scheme.removesuffix('_lpbq')}"),
                                                        is_linear_per_channel=True, is_conv_per_channel=True)
                 prepared = prepare_pt2e(torch.export.export(layer, x, strict=False).module(), quantizer)
-                for batch in calibration + [x[0]]:
+                for batch in calibration + ([x[0]] if args.inputs == "gaussian" else []):
                     prepared(batch)
                 if scheme == "16a4w_block":
                     quantize_observer_scales(weight_observers(prepared).values(), block_cfg.quant.block_scale_rounding)
@@ -133,8 +177,9 @@ def main() -> None:
                 pte = Path(tmp) / f"{source}_{scheme}.pte"
                 pte.write_bytes(edge.to_executorch().buffer)
                 with torch.no_grad():
-                    fp, reference, modelled = layer(*x), qdq(*x), exact(*x)
-                htp = load_program(str(pte)).forward(x)[0]
+                    fp, reference, modelled = (torch.cat([f(b) for b in batches]) for f in (layer, qdq, exact))
+                program = load_program(str(pte))
+                htp = torch.cat([program.forward((b,))[0] for b in batches])
                 error = htp - reference
                 row = {"htp_vs_qdq_db": sqnr_db(htp, reference), "qdq_vs_fp_db": sqnr_db(reference, fp),
                        "htp_vs_fp_db": sqnr_db(htp, fp), "htp_vs_htp_exact_db": sqnr_db(htp, modelled),
@@ -145,7 +190,7 @@ def main() -> None:
                        # a systematic error (mean far from 0 relative to its spread) compounds over layers; noise does not
                        "htp_error_mean_over_rms": (error.mean() / error.pow(2).mean().sqrt().clamp_min(1e-30)).item(),
                        "htp_error_channel_offset_share": _channel_bias(error)}
-                results.update({f"{source}_{scheme}_{k}": v for k, v in row.items()})
+                results.update({f"{args.inputs}_inputs_{source}_{scheme}_{k}": v for k, v in row.items()})
                 print(f"  {source:8s} {scheme:10s}: HTP vs QDQ {row['htp_vs_qdq_db']:6.1f} dB | QDQ vs fp32 "
                       f"{row['qdq_vs_fp_db']:5.1f} dB | HTP vs fp32 {row['htp_vs_fp_db']:5.1f} dB | HTP error: "
                       f"mean/rms {row['htp_error_mean_over_rms']:+.3f}, "
@@ -153,7 +198,7 @@ def main() -> None:
                       f"{row['htp_vs_htp_exact_db']:6.1f} dB, {100 * row['htp_exact_bit_exact_share']:5.1f}% "
                       f"of outputs identical", flush=True)
     with benchmark_run(resolve_uri(cfg.tracking), f"diag_htp_weight_bits-{cfg.model.name}", "diag_htp_weight_bits",
-                       {"target": "x86_emulator", "weight": args.weight}):
+                       {"target": "x86_emulator", "weight": args.weight, "inputs": args.inputs}):
         mlflow.log_metrics(results)
 
 

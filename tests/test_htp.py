@@ -135,6 +135,29 @@ def test_graphs_lowered_in_turn_give_the_parallel_program_from_its_cache_entry(d
     assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
 
 
+def test_float_originals_left_out_before_lowering_give_the_same_program(deployed, tiny_model, tmp_path, monkeypatch):
+    """convert_pt2e leaves each weight's float original on the converted module beside the integer constant the graph
+    reads; lower.drop_unused_attributes deletes them before lowering (the parent's and the workers' memory). The
+    program is the one lowered with them kept: the same size and bit-identical emulator outputs. (Two lowerings of
+    one graph never give identical bytes: QNN's context binary differs in ~2k scattered bytes each time.)"""
+    import qexp.backends.htp.lower as lower
+
+    cfg, static, qdq, program, runner, windows = deployed
+    stats = torch.load(qdq.stats_path, weights_only=True)
+    graph = lower._deploy_graph(tiny_model, cfg, KV_GRAPH, 1, static.r3, stats, StageTimer())["module"]
+    read = {n.target for n in graph.graph.nodes if n.op == "get_attr"}
+    assert {name for name, _ in graph.named_parameters()} <= read
+    monkeypatch.setattr(lower, "drop_unused_attributes", lambda module: 0)  # as before: the originals kept
+    kept = lower._deploy_graph(tiny_model, cfg, KV_GRAPH, 1, static.r3, stats, StageTimer())["module"]
+    assert any(name not in read for name, _ in kept.named_parameters())  # else this test would test nothing
+    cold = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
+    assert not cold.cache_hit and cold.key == program.key and cold.pte_bytes == program.pte_bytes
+    ids = windows.ids[0][:20]
+    other = HtpRunner(cold)
+    assert torch.equal(other.prefill_logits(ids), runner.prefill_logits(ids))
+    assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
+
+
 def test_a_worker_program_read_back_without_delegate_weights_emits_the_same_pte(deployed, tiny_model):
     """A compile worker sends its lowered graph to the parent without the float weights the lowered program no longer
     uses (parallel.drop_unused_weights): the parent's .pte is byte-identical to the one emitted from the program as
