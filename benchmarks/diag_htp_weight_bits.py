@@ -64,9 +64,9 @@ class _OneLinear(torch.nn.Module):
         return self.linear(x)
 
 
-def real_inputs(cfg, weight_key: str, batch: int = 32) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The inputs of the linear holding `weight_key` in the run's float static llama, on the run's calibration samples:
-    ([batch, in_features] rows of every sample but the last, the last sample's rows)."""
+def real_inputs(cfg, weight_key: str, batch: int = 32) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """The weight `weight_key` of the run's model and the inputs of its linear in the float static llama on the run's
+    calibration samples: (weight, [batch, in_features] rows of every sample but the last, the last sample's rows)."""
     from qexp.models.static_llama import window_logits
     from qexp.pipeline import prepare
     from qexp.transforms.grid import static_module_path
@@ -87,7 +87,7 @@ def real_inputs(cfg, weight_key: str, batch: int = 32) -> tuple[list[torch.Tenso
     rows = torch.cat(per_sample[:-1])
     rows = rows[: len(rows) // batch * batch]
     held_out = per_sample[-1][: len(per_sample[-1]) // batch * batch]
-    return list(rows.split(batch)), held_out
+    return state.model.state_dict[weight_key].float(), list(rows.split(batch)), held_out
 
 
 def main() -> None:
@@ -132,15 +132,15 @@ def main() -> None:
         block_cfg = compose(config_name="config", overrides=[
             "+experiment=16a4w_wikitext", *args.overrides, "quant=16a4w_block", f"quant.block_size={args.block_size}"])
 
-    weight = load_model(cfg.model, cache).state_dict[args.weight].float()
     generator = torch.Generator().manual_seed(0)
-    if args.inputs == "real":
+    if args.inputs == "real":  # the run's own model load serves the weight too
+        weight, calibration, held_out = real_inputs(cfg, args.weight)
         weights = {"model": weight}
-        calibration, held_out = real_inputs(cfg, args.weight)
         # one .pte input shape: the held-out rows in batches of 32, the first one also the export's example
         batches = list(held_out.split(32))
         x = (batches[0],)
     else:
+        weight = load_model(cfg.model, cache).state_dict[args.weight].float()
         weights = {"model": weight, "gaussian": torch.randn(weight.shape, generator=generator) * weight.std()}
         calibration = [torch.randn(32, weight.shape[1], generator=generator) for _ in range(8)]
         x = (torch.randn(32, weight.shape[1], generator=generator),)

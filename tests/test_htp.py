@@ -147,7 +147,8 @@ def test_float_originals_left_out_before_lowering_give_the_same_program(deployed
     graph = lower._deploy_graph(tiny_model, cfg, KV_GRAPH, 1, static.r3, stats, StageTimer())["module"]
     read = {n.target for n in graph.graph.nodes if n.op == "get_attr"}
     assert {name for name, _ in graph.named_parameters()} <= read
-    monkeypatch.setattr(lower, "drop_unused_attributes", lambda module: 0)  # as before: the originals kept
+    # as before the change, for the graph below and the compile after it: the originals kept
+    monkeypatch.setattr(lower, "drop_unused_attributes", lambda module: 0)
     kept = lower._deploy_graph(tiny_model, cfg, KV_GRAPH, 1, static.r3, stats, StageTimer())["module"]
     assert any(name not in read for name, _ in kept.named_parameters())  # else this test would test nothing
     cold = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())

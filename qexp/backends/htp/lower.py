@@ -148,6 +148,8 @@ def drop_unused_attributes(module: torch.fx.GraphModule) -> int:
     inherits them from its parent. Nothing reads them: without them the program has the same size and gives
     bit-identical emulator outputs (tests/test_htp.py; two lowerings of one graph never give identical bytes, QNN's
     context binary differs each time). The parallel lowering's parent forks at 2.16 instead of 2.95 GiB.
+    (ExecuTorch's remove_unused_parameters_pass does this for an ExportedProgram's placeholders; this module is not
+    exported yet, and exporting it first is the copy this avoids.)
     """
     read = {node.target for node in module.graph.nodes if node.op == "get_attr"}
 
