@@ -91,3 +91,6 @@ def test_a_warm_rerun_reuses_what_its_change_does_not_touch(compose, store_uri):
     assert tags["bench changed"]["pte_cache_hit"] == "true" and tags["bench changed"]["qdq_cache_hit"] == "true"
     assert tags["windows changed"]["qdq_cache_hit"] == "true" and tags["windows changed"]["pte_cache_hit"] == "true"
     assert runs["bench changed"].metrics["ppl_deployed"] == runs["cold"].metrics["ppl_deployed"]
+    # the emulator's evaluation of the same program on the same windows is read back, not run again
+    assert tags["cold"]["deployed_eval_cache_hit"] == "false"
+    assert tags["bench changed"]["deployed_eval_cache_hit"] == "true"

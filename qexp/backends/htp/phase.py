@@ -17,11 +17,14 @@ from qexp.backends.base import PhaseInputs, PhaseResult
 from qexp.backends.htp.config import ModelMode, Target
 from qexp.backends.htp.lower import META_FILE, PREFILL_GRAPH, DeployedProgram, compile_pte
 from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
+from qexp.cache import stable_hash
 from qexp.data.windows import Windows
 from qexp.errors import InputError
-from qexp.eval.perplexity import evaluate
+from qexp.eval.perplexity import cached_evaluation, evaluate
 
 log = logging.getLogger("qexp")
+
+PRE_GENERATED = "pre-generated"  # the cache key of a .pte passed as backend.pte_path
 
 
 def load_program(path: str) -> DeployedProgram:
@@ -34,7 +37,7 @@ def load_program(path: str) -> DeployedProgram:
             f"{meta_path.name} missing beside {pte}",
             "qexp needs the I/O encodings it writes next to the .pte it compiles; pass such a .pte",
         )
-    return DeployedProgram(pte, json.loads(meta_path.read_text()), key="pre-generated", cache_hit=True)
+    return DeployedProgram(pte, json.loads(meta_path.read_text()), key=PRE_GENERATED, cache_hit=True)
 
 
 def eval_subset(windows: Windows, tokens: int, tokenizer) -> Windows:
@@ -88,9 +91,27 @@ def _evaluate_on_emulator(inputs: PhaseInputs, program: DeployedProgram, result:
         logits_fn = lambda ids: runner.kv_logits(ids, backend.kv_update.value)[0]  # noqa: E731
     subset = eval_subset(inputs.windows, budget, inputs.model.tokenizer)
     with inputs.timer.stage("eval_deployed"):
-        result.deployed = evaluate(logits_fn, subset, "HTP")
-    result.tags.update({"deployed_eval_path": path, "deployed_eval_path_reason": reason})
+        key = deployed_eval_key(program, subset, path, backend.kv_update.value)
+        if key is None:  # a user's .pte (backend.pte_path): not content-addressed, evaluated every time
+            result.deployed, hit = evaluate(logits_fn, subset, "HTP"), False
+        else:
+            result.deployed, hit = cached_evaluation(inputs.cache, key, subset, lambda: evaluate(logits_fn, subset,
+                                                                                                  "HTP"))
+    result.tags.update({"deployed_eval_path": path, "deployed_eval_path_reason": reason,
+                        "deployed_eval_cache_hit": str(hit).lower()})
     _bench(inputs, runner, result)
+
+
+def deployed_eval_key(program: DeployedProgram, subset: Windows, path: str, kv_update: str):
+    """The emulator's evaluation of one compiled program on one set of windows, or None for a program qexp did not
+    compile. The emulator is deterministic (the same .pte gives the same logits, run after run: every side of
+    benchmarks/bench_default.py agrees to all digits), so a warm re-run reads it back instead of spending ~50 s of
+    emulator time on SmolLM2; the .pte's key covers the QNN libraries and every library version."""
+    if program.key == PRE_GENERATED:
+        return None
+    return stable_hash({"phase": "htp_emulator", "pte": program.key, "windows": subset.sha256,
+                        "first_target": subset.first_target, "path": path,
+                        **({"kv_update": kv_update} if path == "kv" else {})}, length=24)
 
 
 def _bench(inputs: PhaseInputs, runner, result: PhaseResult) -> None:
