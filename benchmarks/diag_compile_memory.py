@@ -12,8 +12,8 @@ emits the program. Prints the process's resident memory after each step and the 
     .venv/bin/python benchmarks/diag_compile_memory.py --parallel   # the default path: compile_workers=2
     .venv/bin/python benchmarks/diag_compile_memory.py --in-turn    # compile_workers=1: one graph after the other
 
---parallel lowers the graphs as a default run does (the first here, the others in forked workers,
-qexp/backends/htp/parallel.py) and prints this process's RSS and each worker's at each point of it (after the
+--parallel builds and lowers the graphs as a default run does (the first here, the others in forked workers,
+each worker building its own graph after the fork; qexp/backends/htp/parallel.py) and prints this process's RSS and each worker's at each point of it (after the
 fork, after lowering here, after each worker ends, after its program is read back and deserialized), with the
 peak between the points, and the peak rise of the machine's memory in use since the lowering started (each page
 counted once: the whole tree's physical memory beyond this process's RSS at the start; summed RSS counts the pages a
@@ -23,6 +23,7 @@ worker shares with this process twice).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import sys
@@ -174,27 +175,28 @@ def main() -> None:
 
     ensure_qnn_sdk(state.cache)  # QNN's libraries on the loader path, as compile_pte does
     stats = torch.load(state.qdq.program.stats_path, weights_only=True)
-    graphs = {}
+    builders = {name: functools.partial(_deploy_graph, state.deploy_model, cfg, name, ar_len, state.qdq.r3, stats,
+                                        state.timer)
+                for name, ar_len in graph_ar_lens(cfg.backend).items()}
+    lpbq = cfg.backend.w4_lowering == W4Lowering.lpbq
     with provenance_without_deep_copies():
-        for name, ar_len in graph_ar_lens(cfg.backend).items():
-            graphs[name] = step(f"build {name} (AR-{ar_len})", lambda: _deploy_graph(
-                state.deploy_model, cfg, name, ar_len, state.qdq.r3, stats, state.timer))
-        lpbq = cfg.backend.w4_lowering == W4Lowering.lpbq
-        if args.in_turn:
-            step("lower all graphs in turn (+ to_executorch)", lambda: _lower(graphs, {}, state.timer, lpbq, workers=1))
+        if args.in_turn:  # as compile_pte: each graph built where and when it is lowered
+            step("build + lower all graphs in turn (+ to_executorch)",
+                 lambda: _lower(builders, state.timer, lpbq, workers=1))
             return
         if args.parallel:
             points = Points()
             instrument_parallel(points)
             points.mark("before lowering")
-            step("lower all graphs in workers (+ to_executorch)",
-                 lambda: _lower(graphs, {}, state.timer, lpbq, workers=2))
+            step("build + lower all graphs in workers (+ to_executorch)",
+                 lambda: _lower(builders, state.timer, lpbq, workers=2))
             points.stop()
             return
-        for name in list(graphs):
-            graph = {name: graphs[name]}
-            step(f"lower {name} alone (+ to_executorch)", lambda: _lower(graph, {}, state.timer, lpbq, workers=1))
-            del graphs[name], graph
+        for name, build in builders.items():
+            graph = step(f"build {name}", build)
+            step(f"lower {name} alone (+ to_executorch)",
+                 lambda: _lower({name: lambda: graph}, state.timer, lpbq, workers=1))
+            del graph
             step(f"free {name} (gc)", gc.collect)
             step("  + malloc_trim (release_memory)", release_memory)
 

@@ -129,3 +129,32 @@ def test_lowering_bars_tick_and_stop_each_graph_when_it_is_done(capsys):
     err = capsys.readouterr().err
     assert "lower kv_forward (this process): done in 1 s" in err
     assert "lower prefill_forward (worker process 4242): done in 0 s" in err
+
+
+def test_each_graph_is_built_in_the_process_that_lowers_it(monkeypatch):
+    """A graph given as a builder is built after the fork, by the worker that lowers it (the parent never holds it),
+    and what the program's assembly needs of it (lower.GRAPH_INFO) comes back with the lowered program. The
+    serializer is replaced here: there is no real program to carry without QNN."""
+    from qexp.backends.htp import parallel
+
+    monkeypatch.setattr(parallel, "to_payload", lambda program: {"artifact": None, "meta": {}})
+    monkeypatch.setattr(parallel, "from_payload", lambda payload: "read back")
+    built_by = {}
+
+    def builder(name):
+        def build():
+            built_by[name] = os.getpid()  # seen by this process only: a worker's write stays in the worker
+            return {"meta": {"pid": os.getpid()}, "encodings": name, "quantize_s": 1.0, "module": object()}
+        return build
+
+    before = _children()
+    programs, infos = lower_in_workers({"kv_forward": builder("kv_forward"),
+                                        "prefill_forward": builder("prefill_forward")}, lambda subset: _Lowered())
+    assert list(programs) == list(infos) == ["kv_forward", "prefill_forward"]
+    assert programs["prefill_forward"] == "read back"
+    assert built_by == {"kv_forward": os.getpid()}  # the parent built its own graph only
+    assert infos["kv_forward"]["meta"]["pid"] == os.getpid()
+    assert infos["prefill_forward"]["meta"]["pid"] != os.getpid()  # built in the worker
+    assert infos["prefill_forward"] == {"meta": infos["prefill_forward"]["meta"], "encodings": "prefill_forward",
+                                        "quantize_s": 1.0}  # the graph itself stays in the worker
+    assert _children() <= before

@@ -14,10 +14,12 @@ state instead, which needs no node matching beyond the observers' own (identical
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict
@@ -55,6 +57,7 @@ PREFILL_GRAPH = "prefill_forward"
 PTE_FILE = "model.pte"
 META_FILE = "meta.json"
 _LOWER_CACHE_VERSION = 2  # 2: I/O bit widths from the encodings
+GRAPH_INFO = ("meta", "encodings", "quantize_s")  # what a built graph leaves once lowered (small, picklable)
 LAYER_PATTERN = r"^layers\.(\d+)"  # the static llama's decoder layers (module names), where shards are cut
 
 
@@ -74,13 +77,16 @@ def compile_workers(backend, n_graphs: int) -> int:
 
 
 def _room_for_workers(n_workers: int) -> bool:
-    """Whether the machine has memory for forked lowering workers. A worker's peak, measured: SmolLM2 ~3 GB of its own
-    beyond the pages it shares with the parent; the Qwen2.5-0.5B shape 20.3 GB anonymous RSS against the parent's
-    12.3 GB at the fork (1.65x; the OOM killer took it with 11 GB free). Asked for: 2x the parent's resident memory
-    per worker. Without the room, the graphs are lowered one after the other (one warning says so)."""
+    """Whether the machine has memory for forked compile workers. A worker's peak, measured when the parent forked
+    with both graphs built: SmolLM2 ~3 GB of its own beyond the pages it shares with the parent; the Qwen2.5-0.5B
+    shape 20.3 GB anonymous RSS against the parent's 12.3 GB at the fork (1.65x; the OOM killer took it with 11 GB
+    free). A worker now builds its own graph after the fork, from a parent that holds none (SmolLM2: 1.5 GiB at the
+    fork instead of 2.2), so its peak is a larger multiple of the parent's memory: asked for, 4x the parent's
+    resident memory per worker. Without the room, the graphs are lowered one after the other (one warning says
+    so)."""
     import psutil
 
-    need = 2 * n_workers * psutil.Process().memory_info().rss
+    need = 4 * n_workers * psutil.Process().memory_info().rss
     available = psutil.virtual_memory().available
     if available >= need:
         return True
@@ -227,16 +233,16 @@ def compile_pte(
 
     def build(tmp: Path) -> dict:
         stats = torch.load(qdq.stats_path, weights_only=True)
+        # Each graph is built where it is lowered: in a compile worker, the worker builds its own graph while this
+        # process builds the first (the same function on the same inputs, so the same graph), and no process holds
+        # a graph it does not lower.
+        builders = {name: functools.partial(_deploy_graph, model, cfg, name, ar_len, r3, stats, timer)
+                    for name, ar_len in ar_lens.items()}
         with provenance_without_deep_copies():  # same program, without quadratic copies of node provenance
-            graphs = {name: _deploy_graph(model, cfg, name, ar_len, r3, stats, timer)
-                      for name, ar_len in ar_lens.items()}
-            first = next(iter(graphs.values()))
-            constant_methods = {k: v for k, v in first["meta"].items() if k != "get_ar_len"}
-            constant_methods["get_logits_scale"], constant_methods["get_logits_zero_point"] = \
-                first["encodings"]["logits"]
             workers = compile_workers(backend, len(ar_lens)) if per_graph else 0
-            buffer, delegation, used = _lower(graphs, constant_methods, timer,
-                                              backend.w4_lowering == W4Lowering.lpbq, workers)
+            buffer, delegation, used, graphs = _lower(builders, timer, backend.w4_lowering == W4Lowering.lpbq,
+                                                      workers)
+        first = next(iter(graphs.values()))
         (tmp / PTE_FILE).write_bytes(buffer)
         meta = {
             "graphs": ar_lens, "context": context, "n_layers": model.params["n_layers"],
@@ -267,6 +273,7 @@ def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, sta
 
     backend = cfg.backend
     context = int(backend.max_seq_len)
+    started = time.perf_counter()
     with timer.stage(f"quantize_{name}"):
         converted, static = quantized_graph(
             model, context, ar_len, r3, cfg.quant, cfg.observer, stats, cfg.model.recompose_hadamard, backend.soc.value,
@@ -290,7 +297,7 @@ def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, sta
         use_mha2sha=True,
     )
     return {"module": converted, "inputs": static.example_inputs(), "passes": passes, "deps": deps, "spec": spec,
-            "meta": meta, "encodings": encodings}
+            "meta": meta, "encodings": encodings, "quantize_s": time.perf_counter() - started}
 
 
 def check_num_sharding(num_sharding: int, n_layers) -> None:
@@ -327,12 +334,21 @@ def lower_graphs(graphs: dict, constant_methods=None):
     )
 
 
-def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: bool, workers: int = 0):
-    """All graphs into one HTP-delegated program -> (.pte bytes, delegated / non-delegated node counts per graph,
-    the processes that lowered them at once).
-    workers >= 1: each graph lowered on its own into its own QNN context (qexp/backends/htp/parallel.py), `workers`
-    of them at once in forked processes (1: one after the other in this process); 0: upstream's single call (one
-    QNN context holding every graph)."""
+def constant_methods_of(graphs: dict) -> dict:
+    """The program's constant methods (upstream's metadata and the logits' encoding), from the first graph."""
+    first = next(iter(graphs.values()))
+    methods = {k: v for k, v in first["meta"].items() if k != "get_ar_len"}
+    methods["get_logits_scale"], methods["get_logits_zero_point"] = first["encodings"]["logits"]
+    return methods
+
+
+def _lower(builders: dict, timer: StageTimer, w4_as_lpbq: bool, workers: int = 0):
+    """All graphs, each built by its builder (`_deploy_graph` bound to a graph), into one HTP-delegated program ->
+    (.pte bytes, delegated / non-delegated node counts per graph, the processes that lowered them at once, each
+    graph's `meta` and `encodings`).
+    workers >= 1: each graph built and lowered on its own into its own QNN context (qexp/backends/htp/parallel.py),
+    `workers` of them at once in forked processes (1: one after the other in this process); 0: upstream's single
+    call (one QNN context holding every graph)."""
     from executorch.backends.qualcomm.utils.utils import qnn_edge_config
     from executorch.devtools.backend_debug import get_delegation_info
     from executorch.exir import EdgeProgramManager
@@ -340,19 +356,24 @@ def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: 
     from qexp.backends.htp.parallel import lower_in_turn, lower_in_workers
 
     w4_encoding = lower_4bit_per_channel_as_lpbq() if w4_as_lpbq else contextlib.nullcontext()
-    if workers > 1 and not _room_for_workers(len(graphs) - 1):  # compile_workers() keeps workers <= len(graphs)
+    if workers > 1 and not _room_for_workers(len(builders) - 1):  # compile_workers() keeps workers <= len(graphs)
         workers = 1
-    with timer.stage("lower"), w4_encoding:
-        if workers >= 1:
+    if workers >= 1:
+        with timer.stage("lower"), w4_encoding:
             lower = lower_in_workers if workers > 1 else lower_in_turn
-            edge = EdgeProgramManager(lower(graphs, lower_graphs), constant_methods, compile_config=qnn_edge_config())
-        else:
-            from qexp.backends.htp.progress import lowering_bars
+            programs, graphs = lower(builders, lower_graphs)
+            edge = EdgeProgramManager(programs, constant_methods_of(graphs), compile_config=qnn_edge_config())
+        for name, graph in graphs.items():  # a graph built in a worker: its build time, as if built here
+            timer.durations.setdefault(f"quantize_{name}", graph["quantize_s"])
+    else:
+        from qexp.backends.htp.progress import lowering_bars
 
-            together = " + ".join(graphs)  # one call lowers every graph into one QNN context
-            with lowering_bars({together: "this process"}) as done:
-                edge = lower_graphs(graphs, constant_methods)
-                done(together)
+        graphs = {name: build() for name, build in builders.items()}
+        together = " + ".join(graphs)  # one call lowers every graph into one QNN context
+        with timer.stage("lower"), w4_encoding, lowering_bars({together: "this process"}) as done:
+            edge = lower_graphs(graphs, constant_methods_of(graphs))
+            done(together)
+        graphs = {name: {k: graph[k] for k in GRAPH_INFO} for name, graph in graphs.items()}
     # what the lowering freed (ExecuTorch's intermediate programs) back to the OS before the program is emitted and
     # the emulator loads it (qexp/timing.release_memory)
     release_memory()
@@ -363,4 +384,4 @@ def _lower(graphs: dict, constant_methods: dict, timer: StageTimer, w4_as_lpbq: 
                             "qnn_contexts": info.num_delegated_subgraphs}
     with timer.stage("to_executorch"):
         program = edge.to_executorch(executorch_backend_config())
-    return program.buffer, delegation, workers
+    return program.buffer, delegation, workers, graphs

@@ -4,9 +4,10 @@
 Profiled on SmolLM2 (hybrid, two graphs, 419 s of lowering): 85% of it is ExecuTorch's and torch's Python graph work
 per method (export, decompositions, edge passes, partitioning, op wrappers) and QNN's own graph preparation is ~5%;
 all of it runs on one core, one method after the other. The methods are independent until the program is
-assembled, so with `backend.compile_workers=2` each graph but the first is lowered in a forked child process
-(`to_edge_transform_and_lower_to_qnn` on that graph alone, with the same passes and compiler spec) while the parent
-lowers the first. The child sends its lowered edge program back through ExecuTorch's own serializer
+assembled, so with `backend.compile_workers=2` each graph but the first is built and lowered in a forked child
+process (lower._deploy_graph, then `to_edge_transform_and_lower_to_qnn` on that graph alone, with the same passes and
+compiler spec) while the parent builds and lowers the first. The child builds its graph after the fork: the builds
+(~21 s each on SmolLM2) run at once too, and the parent never holds a graph it does not lower. The child sends its lowered edge program back through ExecuTorch's own serializer
 (`executorch.exir.serde`, what ETRecord uses for delegated programs); the parent assembles the methods in their
 usual order into one EdgeProgramManager and emits the .pte.
 
@@ -33,21 +34,25 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Callable, Dict, Union
 
 log = logging.getLogger("qexp")
 
+Graph = Union[dict, Callable[[], dict]]  # a deploy graph (lower._deploy_graph's dict) or a builder of one
 
-def lower_in_workers(graphs: Dict[str, dict], lower_one: Callable[[Dict[str, dict]], object]) -> Dict[str, object]:
-    """{method: lowered edge ExportedProgram}, in the order of `graphs`. `lower_one({name: graph})` lowers graphs in
-    this process and returns the EdgeProgramManager; the first graph is lowered here, the others in forked
-    children at the same time."""
+
+def lower_in_workers(graphs: Dict[str, Graph], lower_one: Callable[[Dict[str, dict]], object]):
+    """({method: lowered edge ExportedProgram}, {method: the graph's GRAPH_INFO}), in the order of `graphs`, whose
+    values are graphs or builders of them (lower._deploy_graph bound to a graph: called where the graph is
+    lowered). `lower_one({name: graph})` lowers graphs in this process and returns the EdgeProgramManager; the
+    first graph is built and lowered here, the others in forked children at the same time."""
     from qexp.backends.htp.progress import labels_for, lowering_bars
 
     from qexp.timing import release_memory
 
     names = list(graphs)
     release_memory()  # a forked worker starts with the parent's resident pages: hand back what is free first
+    infos = {}
     with tempfile.TemporaryDirectory(prefix="qexp-lower-") as tmp:
         pending = {name: _fork(name, graphs[name], lower_one, Path(tmp)) for name in names[1:]}
         log.info("lowering %s here and %s in worker process(es) %s, at the same time", names[0], ", ".join(names[1:]),
@@ -56,17 +61,19 @@ def lower_in_workers(graphs: Dict[str, dict], lower_one: Callable[[Dict[str, dic
         try:
             with lowering_bars(labels_for(names, pending),
                                {name: _finish_time(name, Path(tmp)) for name in pending}) as done:
-                here = lower_one({names[0]: graphs[names[0]]})
+                graph = _built(graphs[names[0]])
+                infos[names[0]] = graph_info(graph)
+                here = lower_one({names[0]: graph})
                 programs = {names[0]: here.exported_program(names[0])}
                 seconds[names[0]] = done(names[0])
-                del here
+                del here, graph
                 drop_unused_weights(programs[names[0]])  # as the workers' programs arrive: without them
                 release_memory()  # before the workers' programs are read back
                 for name in names[1:]:
                     _, status = os.waitpid(pending[name], 0)
                     del pending[name]
                     seconds[name] = done(name)
-                    programs[name] = _collect(name, status, Path(tmp))
+                    programs[name], infos[name] = _collect(name, status, Path(tmp))
             log.info("lowered %s", ", ".join(f"{name} in {seconds[name]:.0f} s" for name in names))
         finally:
             for pid in pending.values():  # the parent failed or was interrupted first: the workers' work is of no use
@@ -75,25 +82,39 @@ def lower_in_workers(graphs: Dict[str, dict], lower_one: Callable[[Dict[str, dic
                     os.waitpid(pid, 0)
                 except (ProcessLookupError, ChildProcessError):
                     pass
-    return {name: programs[name] for name in names}
+    return {name: programs[name] for name in names}, {name: infos[name] for name in names}
 
 
-def lower_in_turn(graphs: Dict[str, dict], lower_one: Callable[[Dict[str, dict]], object]) -> Dict[str, object]:
-    """{method: lowered edge ExportedProgram}: the layout lower_in_workers gives (a QNN context per graph), lowered
-    one after the other in this process, each program without the weights it no longer uses before the next
-    starts. The lowest peak memory: one graph's lowering (backend.compile_workers=1)."""
+def lower_in_turn(graphs: Dict[str, Graph], lower_one: Callable[[Dict[str, dict]], object]):
+    """What lower_in_workers returns, in the same layout (a QNN context per graph), each graph built and lowered
+    one after the other in this process, each program without the weights it no longer uses before the next graph
+    is built. The lowest peak memory: one graph's lowering (backend.compile_workers=1)."""
     from qexp.backends.htp.progress import lowering_bars
     from qexp.timing import release_memory
 
-    programs, seconds = {}, {}
+    programs, infos, seconds = {}, {}, {}
     for name in graphs:
         with lowering_bars({name: "this process"}) as done:
-            programs[name] = lower_one({name: graphs[name]}).exported_program(name)
+            graph = _built(graphs[name])
+            infos[name] = graph_info(graph)
+            programs[name] = lower_one({name: graph}).exported_program(name)
             seconds[name] = done(name)
+        del graph
         drop_unused_weights(programs[name])
         release_memory()
     log.info("lowered %s, one after the other", ", ".join(f"{name} in {seconds[name]:.0f} s" for name in graphs))
-    return programs
+    return programs, infos
+
+
+def _built(graph: Graph) -> dict:
+    return graph() if callable(graph) else graph
+
+
+def graph_info(graph: dict) -> dict:
+    """What the program's assembly and meta.json need of a graph once it is lowered (lower.GRAPH_INFO)."""
+    from qexp.backends.htp.lower import GRAPH_INFO
+
+    return {key: graph[key] for key in GRAPH_INFO if key in graph}
 
 
 def _finish_time(name: str, tmp: Path):
@@ -110,7 +131,7 @@ def _finish_time(name: str, tmp: Path):
     return probe
 
 
-def _fork(name: str, graph: dict, lower_one, tmp: Path) -> int:
+def _fork(name: str, graph: Graph, lower_one, tmp: Path) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -127,8 +148,10 @@ def _fork(name: str, graph: dict, lower_one, tmp: Path) -> int:
         handler = logging.StreamHandler(log_buffer)
         handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
         logging.getLogger().addHandler(handler)
+        graph = _built(graph)
+        info = graph_info(graph)
         payload = to_payload(lower_one({name: graph}).exported_program(name))
-        payload["log"] = log_buffer.getvalue()
+        payload["log"], payload["info"] = log_buffer.getvalue(), info
         with open(tmp / f"{name}.partial", "wb") as f:
             pickle.dump(payload, f, protocol=5)
         os.replace(tmp / f"{name}.partial", tmp / f"{name}.pkl")
@@ -169,7 +192,8 @@ def _collect(name: str, status: int, tmp: Path):
     with open(result, "rb") as f:
         payload = pickle.load(f)
     _append_to_run_log(payload.pop("log"))
-    return from_payload(payload)
+    info = payload.pop("info")
+    return from_payload(payload), info
 
 
 def to_payload(program) -> dict:
