@@ -13,11 +13,11 @@ emits the program. Prints the process's resident memory after each step and the 
     .venv/bin/python benchmarks/diag_compile_memory.py --in-turn    # compile_workers=1: one graph after the other
 
 --parallel builds and lowers the graphs as a default run does (the first here, the others in forked workers,
-each worker building its own graph after the fork; qexp/backends/htp/parallel.py) and prints this process's RSS and each worker's at each point of it (after the
-fork, after lowering here, after each worker ends, after its program is read back and deserialized), with the
-peak between the points, and the peak rise of the machine's memory in use since the lowering started (each page
-counted once: the whole tree's physical memory beyond this process's RSS at the start; summed RSS counts the pages a
-worker shares with this process twice).
+each worker building its own graph after the fork; qexp/backends/htp/parallel.py) and prints this process's RSS
+and each worker's at each point of it (after the fork, after lowering here, after each worker ends, after its
+program is read back and deserialized), with the peak between the points, and the peak rise of the machine's
+memory in use since the lowering started (each page counted once: the whole tree's physical memory beyond this
+process's RSS at the start; summed RSS counts the pages a worker shares with this process twice).
 """
 
 from __future__ import annotations

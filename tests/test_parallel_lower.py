@@ -50,7 +50,7 @@ def test_a_failing_worker_is_one_line_naming_its_graph():
 
     before = _children()
     with pytest.raises(RuntimeError) as error:
-        lower_in_workers({"kv_forward": {}, "prefill_forward": {}}, lower_one)
+        lower_in_workers({"kv_forward": dict, "prefill_forward": dict}, lower_one)
     assert str(error.value) == ("the compile worker for prefill_forward failed: ValueError: could not create op: "
                                 "q::ConvLayer_s1.opt")
     assert _children() <= before
@@ -64,7 +64,7 @@ def test_a_killed_worker_says_it_was_killed():
 
     before = _children()
     with pytest.raises(RuntimeError, match="prefill_forward died with SIGKILL .*out of memory.*compile_workers=1"):
-        lower_in_workers({"kv_forward": {}, "prefill_forward": {}}, lower_one)
+        lower_in_workers({"kv_forward": dict, "prefill_forward": dict}, lower_one)
     assert _children() <= before
 
 
@@ -76,7 +76,7 @@ def test_the_parent_failing_first_kills_the_workers():
 
     before = _children()
     with pytest.raises(KeyboardInterrupt):
-        lower_in_workers({"kv_forward": {}, "prefill_forward": {}}, lower_one)
+        lower_in_workers({"kv_forward": dict, "prefill_forward": dict}, lower_one)
     assert _children() <= before
 
 
@@ -100,7 +100,7 @@ def lower_one(subset):
         time.sleep(0.05)
     os.kill(os.getpid(), signal.SIGKILL)
 
-lower_in_workers({{"kv_forward": {{}}, "prefill_forward": {{}}}}, lower_one)
+lower_in_workers({{"kv_forward": dict, "prefill_forward": dict}}, lower_one)
 """
     parent = subprocess.run([sys.executable, "-c", script], timeout=120)
     assert parent.returncode == -signal.SIGKILL

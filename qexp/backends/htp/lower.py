@@ -353,7 +353,7 @@ def _lower(builders: dict, timer: StageTimer, w4_as_lpbq: bool, workers: int = 0
     from executorch.devtools.backend_debug import get_delegation_info
     from executorch.exir import EdgeProgramManager
 
-    from qexp.backends.htp.parallel import lower_in_turn, lower_in_workers
+    from qexp.backends.htp.parallel import graph_info, lower_in_turn, lower_in_workers
 
     w4_encoding = lower_4bit_per_channel_as_lpbq() if w4_as_lpbq else contextlib.nullcontext()
     if workers > 1 and not _room_for_workers(len(builders) - 1):  # compile_workers() keeps workers <= len(graphs)
@@ -373,7 +373,7 @@ def _lower(builders: dict, timer: StageTimer, w4_as_lpbq: bool, workers: int = 0
         with timer.stage("lower"), w4_encoding, lowering_bars({together: "this process"}) as done:
             edge = lower_graphs(graphs, constant_methods_of(graphs))
             done(together)
-        graphs = {name: {k: graph[k] for k in GRAPH_INFO} for name, graph in graphs.items()}
+        graphs = {name: graph_info(graph) for name, graph in graphs.items()}
     # what the lowering freed (ExecuTorch's intermediate programs) back to the OS before the program is emitted and
     # the emulator loads it (qexp/timing.release_memory)
     release_memory()

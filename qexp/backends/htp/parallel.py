@@ -7,9 +7,10 @@ all of it runs on one core, one method after the other. The methods are independ
 assembled, so with `backend.compile_workers=2` each graph but the first is built and lowered in a forked child
 process (lower._deploy_graph, then `to_edge_transform_and_lower_to_qnn` on that graph alone, with the same passes and
 compiler spec) while the parent builds and lowers the first. The child builds its graph after the fork: the builds
-(~21 s each on SmolLM2) run at once too, and the parent never holds a graph it does not lower. The child sends its lowered edge program back through ExecuTorch's own serializer
-(`executorch.exir.serde`, what ETRecord uses for delegated programs); the parent assembles the methods in their
-usual order into one EdgeProgramManager and emits the .pte.
+(~21 s each on SmolLM2) run at once too, and the parent never holds a graph it does not lower. The child sends its
+lowered edge program back through ExecuTorch's own serializer (`executorch.exir.serde`, what ETRecord uses for
+delegated programs); the parent assembles the methods in their usual order into one EdgeProgramManager and emits
+the .pte.
 
 What changes against upstream's single lowering call (`backend.contexts=shared`): each graph has its own QNN
 context binary (the single call puts all graphs' op wrappers into one shared context). The graphs are compiled from
@@ -34,18 +35,18 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Callable, Dict, Union
+from typing import Callable, Dict
 
 log = logging.getLogger("qexp")
 
-Graph = Union[dict, Callable[[], dict]]  # a deploy graph (lower._deploy_graph's dict) or a builder of one
+Builder = Callable[[], dict]  # builds one deploy graph (lower._deploy_graph bound to it), where it is lowered
 
 
-def lower_in_workers(graphs: Dict[str, Graph], lower_one: Callable[[Dict[str, dict]], object]):
+def lower_in_workers(graphs: Dict[str, Builder], lower_one: Callable[[Dict[str, dict]], object]):
     """({method: lowered edge ExportedProgram}, {method: the graph's GRAPH_INFO}), in the order of `graphs`, whose
-    values are graphs or builders of them (lower._deploy_graph bound to a graph: called where the graph is
-    lowered). `lower_one({name: graph})` lowers graphs in this process and returns the EdgeProgramManager; the
-    first graph is built and lowered here, the others in forked children at the same time."""
+    values build each graph (called in the process that lowers it). `lower_one({name: graph})` lowers graphs in
+    this process and returns the EdgeProgramManager; the first graph is built and lowered here, the others in
+    forked children at the same time."""
     from qexp.backends.htp.progress import labels_for, lowering_bars
 
     from qexp.timing import release_memory
@@ -61,7 +62,7 @@ def lower_in_workers(graphs: Dict[str, Graph], lower_one: Callable[[Dict[str, di
         try:
             with lowering_bars(labels_for(names, pending),
                                {name: _finish_time(name, Path(tmp)) for name in pending}) as done:
-                graph = _built(graphs[names[0]])
+                graph = graphs[names[0]]()
                 infos[names[0]] = graph_info(graph)
                 here = lower_one({names[0]: graph})
                 programs = {names[0]: here.exported_program(names[0])}
@@ -85,7 +86,7 @@ def lower_in_workers(graphs: Dict[str, Graph], lower_one: Callable[[Dict[str, di
     return {name: programs[name] for name in names}, {name: infos[name] for name in names}
 
 
-def lower_in_turn(graphs: Dict[str, Graph], lower_one: Callable[[Dict[str, dict]], object]):
+def lower_in_turn(graphs: Dict[str, Builder], lower_one: Callable[[Dict[str, dict]], object]):
     """What lower_in_workers returns, in the same layout (a QNN context per graph), each graph built and lowered
     one after the other in this process, each program without the weights it no longer uses before the next graph
     is built. The lowest peak memory: one graph's lowering (backend.compile_workers=1)."""
@@ -95,7 +96,7 @@ def lower_in_turn(graphs: Dict[str, Graph], lower_one: Callable[[Dict[str, dict]
     programs, infos, seconds = {}, {}, {}
     for name in graphs:
         with lowering_bars({name: "this process"}) as done:
-            graph = _built(graphs[name])
+            graph = graphs[name]()
             infos[name] = graph_info(graph)
             programs[name] = lower_one({name: graph}).exported_program(name)
             seconds[name] = done(name)
@@ -104,10 +105,6 @@ def lower_in_turn(graphs: Dict[str, Graph], lower_one: Callable[[Dict[str, dict]
         release_memory()
     log.info("lowered %s, one after the other", ", ".join(f"{name} in {seconds[name]:.0f} s" for name in graphs))
     return programs, infos
-
-
-def _built(graph: Graph) -> dict:
-    return graph() if callable(graph) else graph
 
 
 def graph_info(graph: dict) -> dict:
@@ -131,7 +128,7 @@ def _finish_time(name: str, tmp: Path):
     return probe
 
 
-def _fork(name: str, graph: Graph, lower_one, tmp: Path) -> int:
+def _fork(name: str, build: Builder, lower_one, tmp: Path) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -148,7 +145,7 @@ def _fork(name: str, graph: Graph, lower_one, tmp: Path) -> int:
         handler = logging.StreamHandler(log_buffer)
         handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
         logging.getLogger().addHandler(handler)
-        graph = _built(graph)
+        graph = build()
         info = graph_info(graph)
         payload = to_payload(lower_one({name: graph}).exported_program(name))
         payload["log"], payload["info"] = log_buffer.getvalue(), info
