@@ -152,3 +152,38 @@ def test_tiktoken_tokenizer_file(tmp_path):
     ids = tok.encode("<|begin_of_text|>hi")
     assert ids[0] == tok.bos_id and ids[1:] == [ord("h"), ord("i")]
     assert tok.decode(ids[1:]) == "hi"
+
+
+def test_a_gguf_file_is_parsed_once(compose, monkeypatch):
+    """The block-size check and transformers' loader share one parse of the shipped GGUF (qexp/models/gguf_file.py):
+    fails if transformers stops parsing through `gguf.GGUFReader`, or parses it again."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from qexp.models import gguf_file
+    from qexp.models.gguf_file import transformers_reading_gguf_once
+    from qexp.models.shapes import _read_dims
+    from qexp.models.sources import shipped_gguf
+
+    parses = []
+    parse = gguf_file._PARSE
+
+    def counted(path, *args, **kwargs):
+        parses.append(path)
+        return parse(path, *args, **kwargs)
+
+    # every parse, qexp's and any transformers makes around qexp's, goes through the counter
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    monkeypatch.setattr(gguf_file, "_PARSE", counted)
+    gguf_file.forget()
+    path = shipped_gguf("smollm2_135m")
+    try:
+        dims = _read_dims(compose([]).model)
+        with transformers_reading_gguf_once(path):
+            config = load_gguf_checkpoint(path, return_tensors=False)["config"]
+            load_gguf_checkpoint(path, return_tensors=False)
+        assert gguf.GGUFReader is counted  # restored after the block
+        assert len(parses) == 1, parses
+        assert config["num_hidden_layers"] == dims["n_layers"] == 30
+    finally:
+        gguf_file.forget()

@@ -46,9 +46,9 @@ def _read_dims(cfg: ModelConfig) -> Optional[dict]:
             return None
         if not os.path.isfile(path):
             return None
-        import gguf
+        from qexp.models.gguf_file import gguf_reader
 
-        fields = gguf.GGUFReader(path).fields
+        fields = gguf_reader(path).fields  # parsed once: the load stage reads the same parse
         arch = str(bytes(fields["general.architecture"].parts[-1]), "utf-8")
 
         def value(key):

@@ -20,6 +20,8 @@ from qexp.cache import Cache, file_sha256, stable_hash
 from qexp.config import ModelConfig, ModelSource
 from qexp.errors import InputError, require_file
 from qexp.models.families import family_for_architecture
+from qexp.models.gguf_file import forget as forget_gguf_parse
+from qexp.models.gguf_file import transformers_reading_gguf_once
 from qexp.models.loaded import LoadedModel
 from qexp.models.tiny import tiny_hf_folder, tiny_key
 from qexp.models.tokenizer import Tokenizer
@@ -107,9 +109,10 @@ def gguf_to_hf_folder(gguf: str, cache: Cache) -> tuple[str, str]:
         folder, name = os.path.dirname(os.path.abspath(gguf)), os.path.basename(gguf)
         log.info("dequantizing %s to fp32 (once; cached by file hash)", name)
         try:
-            gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-            config = AutoConfig.from_pretrained(folder, gguf_file=name)
+            with transformers_reading_gguf_once(gguf):  # one parse, not one per call (~3 s each for SmolLM2)
+                gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+                config = AutoConfig.from_pretrained(folder, gguf_file=name)
         except Exception as exc:  # noqa: BLE001 - any parse failure means the file is unusable
             raise InputError(
                 f"cannot read GGUF file {gguf}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
@@ -123,7 +126,10 @@ def gguf_to_hf_folder(gguf: str, cache: Cache) -> tuple[str, str]:
         tokenizer.save_pretrained(tmp)
         return {"gguf": gguf, "sha256": fingerprint}
 
-    path, hit = cache.get_or_build("hf_from_gguf", f"{fingerprint[:24]}-v{_HF_CACHE_VERSION}", build)
+    try:
+        path, hit = cache.get_or_build("hf_from_gguf", f"{fingerprint[:24]}-v{_HF_CACHE_VERSION}", build)
+    finally:
+        forget_gguf_parse()  # the block-size check's parse too: the fp32 folder is what is read from now on
     log.info("fp32 model %s (%s)", path, "cache hit" if hit else "built")
     return str(path), fingerprint
 
