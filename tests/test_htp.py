@@ -159,6 +159,35 @@ def test_float_originals_left_out_before_lowering_give_the_same_program(deployed
     assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
 
 
+def test_non_strict_reexport_gives_the_same_program(deployed, tiny_model, tmp_path, monkeypatch):
+    """ExecuTorch's QNN lowering re-exports the converted graph with strict=True (dynamo); qexp has it re-exported
+    non-strict (upstream.private.qnn_reexport_non_strict), most of the lowering's time on SmolLM2. The program is
+    the one upstream's strict path lowers: the same delegated node counts and size, bit-identical emulator outputs."""
+    import contextlib
+
+    import qexp.backends.htp.lower as lower
+
+    cfg, static, qdq, program, runner, windows = deployed
+    monkeypatch.setattr(lower, "qnn_reexport_non_strict", contextlib.nullcontext)  # upstream as it is
+    strict = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
+    assert not strict.cache_hit and strict.key == program.key and strict.pte_bytes == program.pte_bytes
+    assert strict.meta["delegation"] == program.meta["delegation"]
+    ids = windows.ids[0][:20]
+    other = HtpRunner(strict)
+    assert torch.equal(other.prefill_logits(ids), runner.prefill_logits(ids))
+    assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
+
+
+def test_upstream_reexports_strict():
+    """When this fails, upstream no longer re-exports with dynamo: drop upstream.private.qnn_reexport_non_strict."""
+    import inspect
+
+    from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
+
+    source = inspect.getsource(to_edge_transform_and_lower_to_qnn)
+    assert "torch.export.export(" in source and "strict=True" in source
+
+
 def test_a_worker_program_read_back_without_delegate_weights_emits_the_same_pte(deployed, tiny_model):
     """A compile worker sends its lowered graph to the parent without the float weights the lowered program no longer
     uses (parallel.drop_unused_weights): the parent's .pte is byte-identical to the one emitted from the program as

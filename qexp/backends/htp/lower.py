@@ -46,6 +46,7 @@ from qexp.upstream.private import (
     forget_prepared_modules,
     lower_4bit_per_channel_as_lpbq,
     provenance_without_deep_copies,
+    qnn_reexport_non_strict,
     quant_io_passes,
     tree_leaves,
 )
@@ -326,12 +327,13 @@ def lower_graphs(graphs: dict, constant_methods=None):
     one lowering call (one QNN context for all of them)."""
     from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
 
-    return to_edge_transform_and_lower_to_qnn(
-        module={n: g["module"] for n, g in graphs.items()}, inputs={n: g["inputs"] for n, g in graphs.items()},
-        compiler_specs={n: g["spec"] for n, g in graphs.items()}, constant_methods=constant_methods,
-        dep_table={n: g["deps"] for n, g in graphs.items()}, passes_job={n: g["passes"] for n, g in graphs.items()},
-        skip_node_op_set={"llama.fallback.default"},
-    )
+    with qnn_reexport_non_strict():  # the same graph, traced without dynamo: most of the lowering's time before
+        return to_edge_transform_and_lower_to_qnn(
+            module={n: g["module"] for n, g in graphs.items()}, inputs={n: g["inputs"] for n, g in graphs.items()},
+            compiler_specs={n: g["spec"] for n, g in graphs.items()}, constant_methods=constant_methods,
+            dep_table={n: g["deps"] for n, g in graphs.items()},
+            passes_job={n: g["passes"] for n, g in graphs.items()}, skip_node_op_set={"llama.fallback.default"},
+        )
 
 
 def constant_methods_of(graphs: dict) -> dict:
