@@ -150,7 +150,7 @@ def _calibration_dataset(cfg, corpus) -> tuple:
 def transform(state) -> None:
     """Apply the `algorithm` transforms to the float model; every later stage uses the result. A transform that
     preserves the function must leave the float perplexity unchanged: `ppl_fp_transformed` shows it."""
-    from qexp.eval.perplexity import evaluate
+    from qexp.eval.perplexity import cached_evaluation, evaluate
     from qexp.models.static_llama import StaticLlama, window_logits
     from qexp.transforms import TransformContext, algorithm_label, apply_transforms, build_transforms, model_transforms
 
@@ -163,7 +163,12 @@ def transform(state) -> None:
     state.tags.update({f"transform_cache_hit.{name}": str(hit).lower() for name, hit in context.cache_hits.items()})
     static = StaticLlama.for_model_config(model, state.cfg.export.max_context_len, state.cfg.model)
     with state.timer.stage("eval_fp_transformed"):
-        result = evaluate(lambda ids: window_logits(static.module, static, ids), state.windows, "FP transformed")
+        # the transformed model's fingerprint covers every transform's settings, calibration data and grid: a sweep
+        # over schemes (or a rerun with another backend) evaluates it once
+        key = fp_eval_key(state.cfg, model, static, state.windows, 0)
+        result, hit = cached_evaluation(state.cache, key, state.windows, lambda: evaluate(
+            lambda ids: window_logits(static.module, static, ids), state.windows, "FP transformed"))
+    state.tags["fp_transformed_eval_cache_hit"] = str(hit).lower()
     state.deploy_model, state.static = model, static
     state.metrics.update({"ppl_fp_transformed": result.metrics()["ppl"],
                           **compare(result, state.fp, "fp_transformed", "fp")})

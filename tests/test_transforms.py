@@ -68,6 +68,17 @@ def test_function_preserving_transform_keeps_float_perplexity(compose):
     assert tags["algorithm"] == "test_rescale_norm" and tags["model_sha256_transformed"] != tags["model_sha256"]
 
 
+def test_transformed_float_evaluation_is_read_back(compose):
+    """`ppl_fp_transformed` is evaluated once per transformed model and windows (a sweep over schemes, a rerun with
+    another backend), and the read-back gives the same numbers."""
+    cfg = compose(TINY + ["quant=16a8w", "+algorithm.test_rescale_norm={factor: 3.0}"])
+    first, second = run_experiment(cfg), run_experiment(cfg)
+    assert first.tags["fp_transformed_eval_cache_hit"] == "false"
+    assert second.tags["fp_transformed_eval_cache_hit"] == "true"
+    for name in ("ppl_fp_transformed", "ppl_fp_transformed_vs_fp", "top1_agreement_fp_transformed_vs_fp"):
+        assert second.metrics[name] == first.metrics[name], name
+
+
 def test_transform_reaches_qdq_and_the_htp_program(compose):
     plain = run_experiment(compose(TINY + ["quant=16a8w"]))
     cfg = compose(TINY + ["quant=16a8w", "backend=htp", "backend.prefill_ar_len=16", "backend.eval_tokens=64",
