@@ -16,9 +16,8 @@ import os
 
 import gguf
 
-# Captured at import, before `transformers_reading_gguf_once` replaces the module attributes for a while.
+# Captured at import, before `transformers_reading_gguf_once` replaces the module attribute for a while.
 _PARSE = gguf.GGUFReader
-_NAME_MAP = gguf.get_tensor_name_map
 
 
 @functools.lru_cache(maxsize=1)  # one file at a time (a sweep over models moves on to the next file)
