@@ -77,8 +77,10 @@ class HtpBackend(Backend):
 
 # LPBQ block sizes this QNN SDK's x86 HTP emulator runs correctly. Block 64 segfaults it (`thr_hvx` in
 # libQnnHtp.so while running AWQ + 16a4w_block/64 on SmolLM2, and on a one-layer probe); blocks 48 and 144 return
-# garbage on that probe (issue #18). Only 32 (upstream's Llama recipe) is verified.
-HTP_LPBQ_BLOCK_SIZES = (32,)
+# garbage on that probe (issue #18). Verified: 32 (upstream's Llama recipe) and 16 (its Qwen recipe) on the one-layer
+# probe (benchmarks/diag_htp_weight_bits.py --block-size N: SmolLM2's layer-0 gate and down projections, 83.9-84.4 dB
+# HTP vs QDQ, as 16a8w's 86 dB) and by tests/test_htp_w4.py::test_lpbq_block_sizes_htp_accepts_run_faithfully.
+HTP_LPBQ_BLOCK_SIZES = (16, 32)
 
 
 def _check_lpbq_block_sizes(quant) -> None:
@@ -94,4 +96,5 @@ def _check_lpbq_block_sizes(quant) -> None:
         raise ConfigError(
             f"backend=htp with LPBQ block_size={bad[0]}: this QNN SDK's HTP emulator crashes or returns garbage for "
             f"it (block 64 segfaults libQnnHtp.so)",
-            f"use quant.block_size={HTP_LPBQ_BLOCK_SIZES[0]} for HTP, or backend=none for the QDQ phase only")
+            f"use quant.block_size={' or '.join(map(str, HTP_LPBQ_BLOCK_SIZES))} for HTP, or backend=none for the QDQ "
+            f"phase only")
