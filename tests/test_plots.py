@@ -159,3 +159,11 @@ def test_replot_redraws_a_committed_report_from_its_csv(tmp_path):
     assert data[["text", "n_windows", "window_len"]].iloc[0].tolist() == list(EVAL.values())
     assert data.set_index("scheme").loc["8da4w", "ppl_deployed"] == pytest.approx(36.294, abs=1e-3)
     assert main(["--replot", "missing", "--out-dir", str(tmp_path)]) == 2
+
+
+def test_no_speed_plot_says_why():
+    """A table whose --columns leave decode speed out must not claim that no run measured it."""
+    left_out = _data([("16a8w", "minmax", "x86_emulator", 393.2, 25.5)])
+    assert "columns leave decode speed out" in plots.no_speed_plot_note(left_out)
+    assert "no run in the table measured" in plots.no_speed_plot_note(left_out.assign(decode_tok_s=np.nan))
+    assert plots.no_speed_plot_note(left_out.assign(decode_tok_s=0.14)) is None

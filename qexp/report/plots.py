@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import textwrap
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import pandas as pd
@@ -284,6 +284,16 @@ def _save(fig, out_prefix: Path, kind: str) -> Path:
     return path
 
 
+def no_speed_plot_note(data: pd.DataFrame) -> Optional[str]:
+    """Why there is no perplexity-vs-speed plot, if there is none: the table's columns leave decode speed out (the
+    runs may have measured it), or no run in it measured decode speed."""
+    if "decode_tok_s" not in data:
+        return "No perplexity-vs-speed plot: the table's columns leave decode speed out (add decode_tok_s to --columns)."
+    if data["decode_tok_s"].isna().all():
+        return "No perplexity-vs-speed plot: no run in the table measured decode speed."
+    return None
+
+
 def plot(report: Report, out_prefix: Path) -> List[Path]:
     """<out_prefix>_ppl_vs_size.png and, when any run measured decode speed, <out_prefix>_ppl_vs_speed.png."""
     import matplotlib
@@ -295,8 +305,9 @@ def plot(report: Report, out_prefix: Path) -> List[Path]:
         fig = draw(report.data)
         if fig is not None:
             written.append(_save(fig, out_prefix, kind))
-    if "decode_tok_s" not in report.data or report.data["decode_tok_s"].isna().all():
-        report.notes.append("No perplexity-vs-speed plot: no run in the table measured decode speed.")
+    note = no_speed_plot_note(report.data)
+    if note:
+        report.notes.append(note)
     return written
 
 
