@@ -127,20 +127,13 @@ def test_lpbq_block_sizes_htp_accepts_run_faithfully(compose, block_layer, block
     says, as closely as 8-bit weights do (~86 dB): block 64 segfaults this SDK's emulator and blocks 48, 128 and 144
     return garbage (-10 to -11 dB; 128 checked through this test), so a size is only added to the list with this check
     passing."""
-    from executorch.backends.qualcomm.utils.utils import (
-        generate_htp_compiler_spec,
-        generate_qnn_executorch_compiler_spec,
-        to_edge_transform_and_lower_to_qnn,
-    )
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    from qexp import upstream
     from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
     from qexp.cache import Cache
     from qexp.quant.calibrate import weight_observers
     from qexp.quant.lpbq import quantize_observer_scales
     from qexp.quant.recipe import make_quantizer
-    from qexp.upstream.private import load_program
     from tests.helpers import TINY
 
     cfg = compose(TINY + ["quant=16a4w_block", f"quant.block_size={block_size}", "backend=htp"])
@@ -152,12 +145,9 @@ def test_lpbq_block_sizes_htp_accepts_run_faithfully(compose, block_layer, block
         prepared(batch)
     quantize_observer_scales(weight_observers(prepared).values(), cfg.quant.block_scale_rounding)
     qdq = convert_pt2e(prepared)
-    spec = generate_qnn_executorch_compiler_spec(soc_model=getattr(upstream.QcomChipset, cfg.backend.soc.value),
-                                                 backend_options=generate_htp_compiler_spec(use_fp16=False))
-    pte = tmp_path / f"block{block_size}.pte"
-    pte.write_bytes(to_edge_transform_and_lower_to_qnn(qdq, x, spec).to_executorch().buffer)
+    # block weights lower as LPBQ by themselves: no per-channel-as-LPBQ patch (lpbq=False)
+    htp, _ = _run_on_htp(qdq, x, tmp_path, lpbq=False)
     with torch.no_grad():
         reference, fp = qdq(*x), conv(*x)
-    htp = load_program(str(pte)).forward(x)[0]
     assert _sqnr_db(reference, htp) > 80, _sqnr_db(reference, htp)
     assert 15 < _sqnr_db(fp, reference) < 30  # really 4-bit weights: the QDQ program is ~21 dB from fp32
