@@ -124,8 +124,8 @@ def block_layer():
 @pytest.mark.parametrize("block_size", HTP_LPBQ_BLOCK_SIZES)
 def test_lpbq_block_sizes_htp_accepts_run_faithfully(compose, block_layer, block_size, tmp_path):
     """Every LPBQ block size backend=htp accepts (HTP_LPBQ_BLOCK_SIZES) runs on the emulator as its QDQ program
-    says, as closely as 8-bit weights do (~86 dB): block 64 segfaults this SDK's emulator and blocks 48, 128 and 144
-    return garbage (-10 to -11 dB; 128 checked through this test), so a size is only added to the list with this check
+    says, as closely as 8-bit weights do (~86 dB): block 64 segfaults this SDK's emulator and blocks 8, 48 and 144
+    return garbage (-10 to -11 dB; 8 checked through this test), so a size is only added to the list with this check
     passing."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
