@@ -169,6 +169,7 @@ def test_non_strict_reexport_gives_the_same_program(deployed, tiny_model, tmp_pa
 
     cfg, static, qdq, program, runner, windows = deployed
     monkeypatch.setattr(lower, "qnn_reexport_non_strict", contextlib.nullcontext)  # upstream as it is
+    monkeypatch.setattr(lower, "lazy_graph_module_recompile", contextlib.nullcontext)  # dynamo needs eager modules
     strict = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
     assert not strict.cache_hit and strict.key == program.key and strict.pte_bytes == program.pte_bytes
     assert strict.meta["delegation"] == program.meta["delegation"]
@@ -176,6 +177,40 @@ def test_non_strict_reexport_gives_the_same_program(deployed, tiny_model, tmp_pa
     other = HtpRunner(strict)
     assert torch.equal(other.prefill_logits(ids), runner.prefill_logits(ids))
     assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
+
+
+def test_lazy_recompile_gives_the_same_program(deployed, tiny_model, tmp_path, monkeypatch):
+    """The lowering runs with torch's lazy GraphModule recompile (upstream.private.lazy_graph_module_recompile: a
+    graph's Python source generated when run, not after every pass). The program is the one the eager recompile
+    lowers: the same delegated node counts and size, bit-identical emulator outputs."""
+    import contextlib
+
+    import qexp.backends.htp.lower as lower
+
+    cfg, static, qdq, program, runner, windows = deployed
+    monkeypatch.setattr(lower, "lazy_graph_module_recompile", contextlib.nullcontext)  # torch's eager recompile
+    eager = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
+    assert not eager.cache_hit and eager.key == program.key and eager.pte_bytes == program.pte_bytes
+    assert eager.meta["delegation"] == program.meta["delegation"]
+    ids = windows.ids[0][:20]
+    other = HtpRunner(eager)
+    assert torch.equal(other.prefill_logits(ids), runner.prefill_logits(ids))
+    assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
+
+
+def test_lazy_recompile_is_scoped():
+    """Outside the block GraphModules are torch's eager ones again (the patch must not leak into qexp's own graphs)."""
+    import torch.fx
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    from qexp.upstream.private import lazy_graph_module_recompile
+
+    root = torch.nn.Linear(2, 2)
+    with lazy_graph_module_recompile():
+        inside = torch.fx.symbolic_trace(root)
+        assert isinstance(inside, _LazyGraphModule)
+        assert torch.equal(inside(torch.ones(1, 2)), root(torch.ones(1, 2)))  # generated on first call
+    assert not isinstance(torch.fx.symbolic_trace(root), _LazyGraphModule)
 
 
 def test_upstream_reexports_strict():

@@ -85,11 +85,45 @@ def _shallow_observer_kwargs(quant_spec):
     return {f.name: getattr(quant_spec, f.name) for f in dataclasses.fields(quant_spec)}
 
 
+def _new_attr_name_with_prefix(prefix: str):
+    """torch's `get_new_attr_name_with_prefix` (the smallest unused `prefix<i>` on a module), with the same answer.
+
+    torch's asks `hasattr(module, prefix + str(i))` for i = 0, 1, ... on every observer it inserts; on an nn.Module a
+    present submodule is found only after a failed normal lookup (an AttributeError raised and caught inside
+    `Module.__getattr__`), so naming SmolLM2's ~640 observers cost ~200k of them: ~5 s of each ~12 s prepare_pt2e
+    (py-spy). Here the names already taken are found in the module's dicts first; `hasattr` still decides every name
+    the dicts do not hold, so the answer is hasattr's."""
+    prefix = prefix.replace(".", "_")
+
+    def taken(module, name: str) -> bool:
+        return (name in module.__dict__ or name in module._modules or name in module._parameters
+                or name in module._buffers or hasattr(module, name))
+
+    def get_new_attr_name(module):
+        if not isinstance(module, torch.nn.Module):
+            return original_get_new_attr_name_with_prefix(prefix)(module)
+        i = 0
+        while taken(module, prefix + str(i)):
+            i += 1
+        return prefix + str(i)
+
+    return get_new_attr_name
+
+
+def original_get_new_attr_name_with_prefix(prefix: str):
+    from torch.ao.quantization.fx import utils
+
+    return utils.get_new_attr_name_with_prefix(prefix)
+
+
 def speed_up_prepare() -> None:
-    """Replace torchao's private `prepare._get_observer_kwargs` with the shallow version above (same result)."""
+    """Replace torchao's private `prepare._get_observer_kwargs` with the shallow version above and the observer
+    naming torch's prepare imports with the dict-first one (same results)."""
+    from torch.ao.quantization.fx import prepare as fx_prepare
     from torchao.quantization.pt2e import prepare
 
     prepare._get_observer_kwargs = _shallow_observer_kwargs
+    fx_prepare.get_new_attr_name_with_prefix = _new_attr_name_with_prefix
 
 
 # ---------------------------------------------------------------- ExecuTorch Qualcomm: passes
@@ -184,6 +218,37 @@ def qnn_reexport_non_strict():
         yield
     finally:
         torch.export.export = original
+
+
+@contextlib.contextmanager
+def lazy_graph_module_recompile():
+    """Inside this block, every new `torch.fx.GraphModule` is torch's `_LazyGraphModule`: `recompile()` marks the
+    module's Python code stale and the code is generated when it is first read or called, not on every call.
+
+    Why: ExecuTorch's edge passes and QNN's pass managers call `recompile()` after each pass, and each regenerates and
+    `exec`s the Python source of a ~10k-node graph; most of those sources are never run (the next pass walks the graph
+    with an Interpreter). py-spy on SmolLM2's two lowerings (in turn): 190 of 586 s in `GraphModule.recompile`.
+    The graphs and therefore the program are unchanged; only when the source is generated changes (torch's inductor
+    uses the same class for the same reason). Private reach: `torch.fx._lazy_graph_module` (not backward-compatible
+    API) and `GraphModule.__new__`, which picks the per-instance class; patched for the block's duration.
+    tests/test_htp.py::test_lazy_recompile_gives_the_same_program checks the lowered program against the eager one
+    (same size and delegation, bit-identical emulator outputs).
+    """
+    from torch.fx import graph_module
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    original = graph_module.GraphModule.__new__
+
+    def new(cls, *args, **kwargs):
+        if cls is graph_module.GraphModule:
+            cls = _LazyGraphModule
+        return original(cls, *args, **kwargs)
+
+    graph_module.GraphModule.__new__ = new
+    try:
+        yield
+    finally:
+        graph_module.GraphModule.__new__ = original
 
 
 # ---------------------------------------------------------------- ExecuTorch runtime (pybindings)

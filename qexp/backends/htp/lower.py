@@ -46,6 +46,7 @@ from qexp.upstream.private import (
     forget_prepared_modules,
     lower_4bit_per_channel_as_lpbq,
     provenance_without_deep_copies,
+    lazy_graph_module_recompile,
     qnn_reexport_non_strict,
     quant_io_passes,
     tree_leaves,
@@ -327,7 +328,9 @@ def lower_graphs(graphs: dict, constant_methods=None):
     one lowering call (one QNN context for all of them)."""
     from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
 
-    with qnn_reexport_non_strict():  # the same graph, traced without dynamo (~120 s of a SmolLM2 graph's ~300 s)
+    # the same graph, traced without dynamo (~120 s of a SmolLM2 graph's ~300 s), its Python source generated only
+    # where it is run (lazy_graph_module_recompile)
+    with qnn_reexport_non_strict(), lazy_graph_module_recompile():
         return to_edge_transform_and_lower_to_qnn(
             module={n: g["module"] for n, g in graphs.items()}, inputs={n: g["inputs"] for n, g in graphs.items()},
             compiler_specs={n: g["spec"] for n, g in graphs.items()}, constant_methods=constant_methods,
