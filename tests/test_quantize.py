@@ -148,34 +148,3 @@ def test_full_4bit_weight_range(setup, compose, tmp_path, scheme):
     assert any(qmax == 127 for _, qmax in ranges)  # the lm head (16a8w override) keeps 8 bits
     assert low_used == 14  # each layer has a weight at -8 (its row's most negative absmax lands there)
 
-
-def test_observer_naming_is_torchs(setup, compose, monkeypatch):
-    """qexp names prepare_pt2e's observers by dicts first (upstream.private._new_attr_name_with_prefix, ~5 s of each
-    SmolLM2 prepare): the prepared graph is torch's, name for name, and the smallest free name is still found after a
-    gap."""
-    from torch.ao.quantization.fx import prepare as fx_prepare
-
-    from qexp.quant.calibrate import prepare
-    from qexp.timing import StageTimer
-    from qexp.upstream.private import _new_attr_name_with_prefix, original_get_new_attr_name_with_prefix
-
-    static = setup[0]
-    cfg = compose(TINY)
-
-    def observers():
-        graph = prepare(static, cfg.quant, cfg.observer, "SM8650", True, StageTimer())
-        return [(n.name, n.target, str(n.args)) for n in graph.graph.nodes if n.op == "call_module"]
-
-    assert fx_prepare.get_new_attr_name_with_prefix is _new_attr_name_with_prefix  # installed on import
-    ours = observers()
-    monkeypatch.setattr(fx_prepare, "get_new_attr_name_with_prefix", original_get_new_attr_name_with_prefix)
-    assert len(ours) > 50 and ours == observers()
-
-    module = torch.nn.Module()
-    for i in (0, 1, 3):
-        setattr(module, f"obs_{i}", torch.nn.Identity())
-    module.obs_4 = 1.0  # a plain attribute counts as taken too
-    assert _new_attr_name_with_prefix("obs_")(module) == original_get_new_attr_name_with_prefix("obs_")(module) \
-        == "obs_2"
-    module.obs_2 = torch.nn.Parameter(torch.zeros(1))
-    assert _new_attr_name_with_prefix("obs_")(module) == "obs_5"

@@ -85,45 +85,11 @@ def _shallow_observer_kwargs(quant_spec):
     return {f.name: getattr(quant_spec, f.name) for f in dataclasses.fields(quant_spec)}
 
 
-def _new_attr_name_with_prefix(prefix: str):
-    """torch's `get_new_attr_name_with_prefix` (the smallest unused `prefix<i>` on a module), with the same answer.
-
-    torch's asks `hasattr(module, prefix + str(i))` for i = 0, 1, ... on every observer it inserts; on an nn.Module a
-    present submodule is found only after a failed normal lookup (an AttributeError raised and caught inside
-    `Module.__getattr__`), so naming SmolLM2's ~640 observers cost ~200k of them: ~5 s of each ~12 s prepare_pt2e
-    (py-spy). Here the names already taken are found in the module's dicts first; `hasattr` still decides every name
-    the dicts do not hold, so the answer is hasattr's."""
-    prefix = prefix.replace(".", "_")
-
-    def taken(module, name: str) -> bool:
-        return (name in module.__dict__ or name in module._modules or name in module._parameters
-                or name in module._buffers or hasattr(module, name))
-
-    def get_new_attr_name(module):
-        if not isinstance(module, torch.nn.Module):
-            return original_get_new_attr_name_with_prefix(prefix)(module)
-        i = 0
-        while taken(module, prefix + str(i)):
-            i += 1
-        return prefix + str(i)
-
-    return get_new_attr_name
-
-
-def original_get_new_attr_name_with_prefix(prefix: str):
-    from torch.ao.quantization.fx import utils
-
-    return utils.get_new_attr_name_with_prefix(prefix)
-
-
 def speed_up_prepare() -> None:
-    """Replace torchao's private `prepare._get_observer_kwargs` with the shallow version above and the observer
-    naming torch's prepare imports with the dict-first one (same results)."""
-    from torch.ao.quantization.fx import prepare as fx_prepare
+    """Replace torchao's private `prepare._get_observer_kwargs` with the shallow version above (same result)."""
     from torchao.quantization.pt2e import prepare
 
     prepare._get_observer_kwargs = _shallow_observer_kwargs
-    fx_prepare.get_new_attr_name_with_prefix = _new_attr_name_with_prefix
 
 
 # ---------------------------------------------------------------- ExecuTorch Qualcomm: passes
