@@ -147,4 +147,3 @@ def test_full_4bit_weight_range(setup, compose, tmp_path, scheme):
     assert ranges.count((-8, 7)) == 14 and (-7, 7) not in ranges, ranges  # q, k, v, o, w1, w2, w3 x 2 layers
     assert any(qmax == 127 for _, qmax in ranges)  # the lm head (16a8w override) keeps 8 bits
     assert low_used == 14  # each layer has a weight at -8 (its row's most negative absmax lands there)
-
