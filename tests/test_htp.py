@@ -159,43 +159,40 @@ def test_float_originals_left_out_before_lowering_give_the_same_program(deployed
     assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
 
 
-def test_non_strict_reexport_gives_the_same_program(deployed, tiny_model, tmp_path, monkeypatch):
-    """ExecuTorch's QNN lowering re-exports the converted graph with strict=True (dynamo); qexp has it re-exported
-    non-strict (upstream.private.qnn_reexport_non_strict), most of the lowering's time on SmolLM2. The program is
-    the one upstream's strict path lowers: the same delegated node counts and size, bit-identical emulator outputs."""
+def _assert_lowers_the_same_program(deployed, tiny_model, tmp_path, monkeypatch, *eager_names):
+    """Compile the deployed fixture's config again with the named `lower` context managers as no-ops (upstream's /
+    torch's path as it is) and check the program is the fixture's: the same cache key, size and delegated node
+    counts, and bit-identical emulator outputs (prefill and kv)."""
     import contextlib
 
     import qexp.backends.htp.lower as lower
 
     cfg, static, qdq, program, runner, windows = deployed
-    monkeypatch.setattr(lower, "qnn_reexport_non_strict", contextlib.nullcontext)  # upstream as it is
-    monkeypatch.setattr(lower, "lazy_graph_module_recompile", contextlib.nullcontext)  # dynamo needs eager modules
-    strict = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
-    assert not strict.cache_hit and strict.key == program.key and strict.pte_bytes == program.pte_bytes
-    assert strict.meta["delegation"] == program.meta["delegation"]
+    for name in eager_names:
+        monkeypatch.setattr(lower, name, contextlib.nullcontext)
+    other = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
+    assert not other.cache_hit and other.key == program.key and other.pte_bytes == program.pte_bytes
+    assert other.meta["delegation"] == program.meta["delegation"]
     ids = windows.ids[0][:20]
-    other = HtpRunner(strict)
-    assert torch.equal(other.prefill_logits(ids), runner.prefill_logits(ids))
-    assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
+    other_runner = HtpRunner(other)
+    assert torch.equal(other_runner.prefill_logits(ids), runner.prefill_logits(ids))
+    assert torch.equal(other_runner.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
+
+
+def test_non_strict_reexport_gives_the_same_program(deployed, tiny_model, tmp_path, monkeypatch):
+    """ExecuTorch's QNN lowering re-exports the converted graph with strict=True (dynamo); qexp has it re-exported
+    non-strict (upstream.private.qnn_reexport_non_strict), most of the lowering's time on SmolLM2. The program is
+    the one upstream's strict path lowers (dynamo needs torch's eager GraphModules, so the lazy recompile is off
+    too)."""
+    _assert_lowers_the_same_program(deployed, tiny_model, tmp_path, monkeypatch,
+                                    "qnn_reexport_non_strict", "lazy_graph_module_recompile")
 
 
 def test_lazy_recompile_gives_the_same_program(deployed, tiny_model, tmp_path, monkeypatch):
     """The lowering runs with torch's lazy GraphModule recompile (upstream.private.lazy_graph_module_recompile: a
     graph's Python source generated when run, not after every pass). The program is the one the eager recompile
-    lowers: the same delegated node counts and size, bit-identical emulator outputs."""
-    import contextlib
-
-    import qexp.backends.htp.lower as lower
-
-    cfg, static, qdq, program, runner, windows = deployed
-    monkeypatch.setattr(lower, "lazy_graph_module_recompile", contextlib.nullcontext)  # torch's eager recompile
-    eager = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
-    assert not eager.cache_hit and eager.key == program.key and eager.pte_bytes == program.pte_bytes
-    assert eager.meta["delegation"] == program.meta["delegation"]
-    ids = windows.ids[0][:20]
-    other = HtpRunner(eager)
-    assert torch.equal(other.prefill_logits(ids), runner.prefill_logits(ids))
-    assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
+    lowers."""
+    _assert_lowers_the_same_program(deployed, tiny_model, tmp_path, monkeypatch, "lazy_graph_module_recompile")
 
 
 def test_lazy_recompile_is_scoped():
