@@ -195,7 +195,9 @@ def lazy_graph_module_recompile():
     `exec`s the Python source of a ~10k-node graph; most of those sources are never run (the next pass walks the graph
     with an Interpreter). py-spy on SmolLM2's two lowerings (in turn): 190 of 586 s in `GraphModule.recompile`.
     The graphs and therefore the program are unchanged; only when the source is generated changes (torch's inductor
-    uses the same class for the same reason). Private reach: `torch.fx._lazy_graph_module` (not backward-compatible
+    uses the same class for the same reason). torch's own switch, `_use_lazy_graph_module(True)`, reaches only graph
+    modules made through `_make_graph_module`; ExecuTorch and torch.export construct `GraphModule(...)` directly, hence
+    the `__new__` patch. Private reach: `torch.fx._lazy_graph_module` (not backward-compatible
     API) and `GraphModule.__new__`, which picks the per-instance class; patched for the block's duration.
     tests/test_htp.py::test_lazy_recompile_gives_the_same_program checks the lowered program against the eager one
     (same size and delegation, bit-identical emulator outputs).

@@ -44,9 +44,9 @@ from qexp.timing import StageTimer, release_memory
 from qexp.upstream.private import (
     executorch_backend_config,
     forget_prepared_modules,
+    lazy_graph_module_recompile,
     lower_4bit_per_channel_as_lpbq,
     provenance_without_deep_copies,
-    lazy_graph_module_recompile,
     qnn_reexport_non_strict,
     quant_io_passes,
     tree_leaves,
