@@ -364,6 +364,10 @@ def test_algorithm_label_names_the_settings_that_differ_from_the_defaults():
 # ------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("overrides, message", [
     (["quant=16a4w", "algorithm=[smoothquant]"], "smoothquant smooths 8-bit activations"),
+    # an 8-bit override on a linear it does not smooth (down) leaves the ones it does at 16 bits
+    (["quant=16a8w", "algorithm=[smoothquant]",
+      "+quant.overrides=[{pattern: 'layers\\.\\d+\\.feed_forward\\.w2_conv', scheme: 8a8w}]"],
+     "smoothquant smooths 8-bit activations"),
     (["quant=fp32", "algorithm=[gptq]"], "gptq rounds weights onto a quantization grid"),
     (["quant=fp32", "algorithm=[awq]"], "awq searches against a quantization grid"),
     (["quant=16a3w", "backend=htp"], "QDQ-only research scheme"),
@@ -378,6 +382,17 @@ def test_algorithm_label_names_the_settings_that_differ_from_the_defaults():
 def test_algorithms_refuse_configs_they_cannot_serve(compose, overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(compose(TINY + overrides))
+
+
+def test_smoothquant_serves_8bit_overrides_on_the_linears_it_smooths(compose):
+    """The paper's setting on a 16-bit-activation scheme: the smoothed linears' inputs at 8 bits by an override."""
+    from qexp.transforms.grid import activation_bits_for
+
+    cfg = compose(TINY + ["quant=16a8w", "algorithm=[smoothquant]",
+                          "+quant.overrides=[{pattern: 'layers\\.0\\.attention\\.wq_conv', scheme: 8a8w}]"])
+    validate(cfg)
+    assert activation_bits_for(cfg.quant, "layers.0.attention.wq.weight") == 8
+    assert activation_bits_for(cfg.quant, "layers.1.attention.wq.weight") == 16
 
 
 def test_bad_block_size_and_empty_calibration_fail_the_run_before_work(compose, cache_dir):

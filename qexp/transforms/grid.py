@@ -115,6 +115,26 @@ def grid_for(quant_cfg, meta_key: str) -> Optional[WeightGrid]:
     return WeightGrid(weight_bits(quant_cfg.scheme), block, _rounding(quant_cfg))
 
 
+def activation_bits_for(quant_cfg, meta_key: str) -> Optional[int]:
+    """The bits QnnQuantizer gives the input activation of the linear `meta_key` (None: not quantized): the scheme's,
+    or the last matching override's, which annotates the conv and so its input (qexp/quant/recipe.py)."""
+    if quant_cfg.scheme == NO_QUANT:
+        return None
+    path = static_module_path(meta_key)
+    for override in reversed(list(quant_cfg.overrides)):
+        if re.search(override_weight_regex(override.pattern), path):
+            return activation_bits(override.scheme)
+    return activation_bits(quant_cfg.scheme)
+
+
+def activation_bits(scheme: str) -> int:
+    """Activation bits of a QNN scheme name: '8a8w' -> 8, '16a4w_block' -> 16."""
+    match = re.match(r"(\d+)a\d+w", scheme)
+    if not match:
+        raise ValueError(f"not a quantized scheme: {scheme!r}")
+    return int(match.group(1))
+
+
 def _rounding(quant_cfg) -> BlockScaleRounding:
     value = getattr(quant_cfg, "block_scale_rounding", BlockScaleRounding.nearest)
     return value if isinstance(value, BlockScaleRounding) else BlockScaleRounding(value)

@@ -33,6 +33,10 @@ def smoothing_scales(x_absmax: torch.Tensor, weights, alpha: float) -> torch.Ten
     return (x_absmax.clamp(min=1e-5).pow(alpha) / w_absmax.pow(1 - alpha)).clamp(min=1e-5)
 
 
+# the linears whose inputs it smooths (Meta names): those reading a norm's output
+SMOOTHED_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+
+
 @register_transform
 class SmoothQuant(ModelTransform):
     name = "smoothquant"
@@ -40,11 +44,18 @@ class SmoothQuant(ModelTransform):
     needs_calibration = True
 
     def validate(self, cfg) -> None:
+        from qexp.transforms.grid import activation_bits_for
+
         scheme = cfg.quant.scheme
-        if not scheme.startswith("8a"):
-            raise ConfigError(f"algorithm smoothquant smooths 8-bit activations; quant={scheme} has "
-                              f"{'none' if scheme == 'fp32' else '16-bit ones'}",
-                              "use it with quant=8a8w or quant=8a4w")
+        # The linears it smooths must read 8-bit activations: the scheme's, or an override's on those linears (the
+        # paper's setting: 8-bit GEMM inputs beside higher-precision norms and residual adds). Checked over layer
+        # indices up to 256, so a layer-range override (layers\.[0-3]\.) counts.
+        smoothed = [f"layers.{i}.{name}.weight" for i in range(256) for name in SMOOTHED_LINEARS]
+        if scheme == "fp32" or all(activation_bits_for(cfg.quant, key) != 8 for key in smoothed):
+            raise ConfigError(f"algorithm smoothquant smooths 8-bit activations; quant={scheme} gives the linears it "
+                              f"smooths (q/k/v, gate/up) {'none' if scheme == 'fp32' else '16-bit ones'}",
+                              "use it with quant=8a8w or quant=8a4w, or an 8-bit-activation override on those "
+                              "linears (quant.overrides)")
         if not 0 <= self.config.alpha <= 1:
             raise ConfigError(f"algorithm.smoothquant.alpha={self.config.alpha}", "use 0 <= alpha <= 1")
 
