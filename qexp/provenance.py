@@ -134,10 +134,13 @@ PINNED_CPU_CAPABILITY = "AVX2"  # qexp/__init__.py sets ATEN_CPU_CAPABILITY=avx2
 
 
 def numerics_key() -> str:
-    """Part of the keys of cached results computed on the CPU: the numerics they were computed with."""
+    """Part of the keys of cached results computed on the CPU: the numerics they were computed with. The CPU model is
+    part of it: with the same pinned kernels (AVX2, MKL_CBWR) an Intel Xeon and an AMD EPYC host calibrated SmolLM2's
+    default experiment to different programs (QDQ 47.165 vs 46.994, HTP 39.13 vs 39.66), so a cache shared between
+    hosts must not hand one host's result to another."""
     import torch
 
-    return f"mkldnn-off-{torch.backends.cpu.get_cpu_capability()}"
+    return f"mkldnn-off-{torch.backends.cpu.get_cpu_capability()}-{cpu_model()}"
 
 
 def fp_eval_key(cfg: DictConfig, model, static, windows, keep_logits: int) -> str:

@@ -122,6 +122,28 @@ def test_report_refuses_incomparable_synthetic_runs():
         build_report(pd.DataFrame([HTP]), pivot=["scheme", "backend"])
 
 
+def test_report_refuses_runs_from_different_cpus():
+    """#18: with the same pinned kernels an Intel and an AMD host calibrate to different programs (QDQ 47.165 vs
+    46.994 on SmolLM2's default experiment), so a table does not put their runs side by side silently."""
+    from qexp.report import ReportError, build_report
+
+    intel, amd = ({**HTP, "run_id": f"on_{name}", "tags.cpu": name} for name in ("Intel Xeon", "AMD EPYC 9B14"))
+    with pytest.raises(ReportError, match="not comparable") as refused:
+        build_report(pd.DataFrame([intel, amd]))
+    assert "CPU=Intel Xeon" in str(refused.value) and "CPU=AMD EPYC 9B14" in str(refused.value)
+    build_report(pd.DataFrame([intel, {**intel, "run_id": "again"}]))  # one CPU: fine
+
+
+def test_cached_cpu_results_are_keyed_by_the_cpu_model(monkeypatch):
+    """A cache shared between hosts must not serve one CPU's calibrated program or perplexities to another."""
+    import qexp.provenance as provenance
+
+    monkeypatch.setattr(provenance, "cpu_model", lambda: "Intel Xeon")
+    intel = provenance.numerics_key()
+    monkeypatch.setattr(provenance, "cpu_model", lambda: "AMD EPYC 9B14")
+    assert provenance.numerics_key() != intel and provenance.numerics_key().endswith("AMD EPYC 9B14")
+
+
 def test_report_labels_htp_exact_rows():
     """Runs whose QDQ phase used HTP's integer arithmetic (eval.htp_exact) get a QDQ-arithmetic column and a note
     when the table also holds fake-quant runs; a table of one arithmetic stays as it was."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from helpers import TINY
 from qexp.eval.uncertainty import BLOCK, ppl_ratio_interval, windows_needed
@@ -85,10 +86,16 @@ def test_report_pairs_runs_on_the_same_windows(compose, store_uri, tmp_path, cap
     from qexp.pipeline import run_experiment
     from qexp.report import main as report
 
-    for algorithm in ("[]", "[rotation]"):
-        cfg = compose(TINY + ["quant=16a4w", f"algorithm={algorithm}"])
+    # a second round-to-nearest run that differs only by an override: another baseline, not the rotated run's
+    # (the recipe's 8-bit lm head kept, so the lm head grid is the same)
+    override = ("quant.overrides=[{pattern: 'output\\.conv', scheme: 16a8w}, "
+                "{pattern: 'layers\\.0\\.feed_forward\\.w2_conv', scheme: 16a8w}]")
+    ppl = {}
+    for algorithm, extra in (("[]", []), ("[rotation]", []), ("[]", [override])):
+        cfg = compose(TINY + ["quant=16a4w", f"algorithm={algorithm}", *extra])
         cfg.tracking.experiment = "paired"
-        run_experiment(cfg)
+        ppl[algorithm, bool(extra)] = run_experiment(cfg).metrics["ppl_qdq"]
+    assert ppl["[]", True] != ppl["[]", False]
     mlflow.set_tracking_uri(store_uri)
     code = report(["--experiment", "paired", "--columns", "scheme,algorithm,ppl_qdq,delta_vs_fp", "--paired-vs",
                    "algorithm=RTN", "--windows-needed", "1", "--out-dir", str(tmp_path), "--tracking-uri", store_uri])
@@ -97,6 +104,7 @@ def test_report_pairs_runs_on_the_same_windows(compose, store_uri, tmp_path, cap
     data = pd.read_csv(tmp_path / "paired.csv")
     rotated = data[data["algorithm"] == "rotation"].iloc[0]
     assert rotated["Δ vs RTN ci_low"] <= rotated["Δ vs RTN"] <= rotated["Δ vs RTN ci_high"]
+    assert rotated["Δ vs RTN"] == pytest.approx(ppl["[rotation]", False] / ppl["[]", False] - 1, rel=1e-9)
     assert data.loc[data["algorithm"] == "RTN", "Δ vs RTN"].isna().all()  # the baseline is not paired with itself
     assert (data["windows for ±1%"] >= 1).all()
     assert "Δ vs RTN" in out and "[" in out

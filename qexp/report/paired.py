@@ -17,8 +17,11 @@ from qexp.report.base import Report, ReportError, column
 
 # What must be equal for two runs to be paired: everything that defines the configuration except the compared
 # column, and the very same evaluation windows.
-IDENTITY = ("params.model.name", "tags.scheme", "tags.weight_grid", "tags.lm_head_grid", "params.observer.name",
-            "calibration", "params.calibration.sampling", "params.backend.name", "target", "tags.eval_windows_sha256", "qdq_arithmetic")
+# The per-layer overrides and custom annotations count: two round-to-nearest runs of one scheme that differ only in
+# which layers an override puts at 8 bits are different baselines.
+IDENTITY = ("params.model.name", "tags.scheme", "tags.weight_grid", "tags.lm_head_grid", "params.quant.overrides",
+            "params.quant.custom_annotations", "params.observer.name", "calibration", "params.calibration.sampling",
+            "params.backend.name", "target", "tags.eval_windows_sha256", "qdq_arithmetic")
 
 
 @functools.lru_cache(maxsize=None)  # a run's artifact never changes; both options read the same runs
@@ -65,7 +68,8 @@ def add_windows_needed(report: Report, runs: pd.DataFrame, resolve: float) -> No
 
 def add_paired(report: Report, runs: pd.DataFrame, spec: str) -> None:
     """`spec` = COLUMN=VALUE: each row's QDQ perplexity against the row with COLUMN == VALUE and the same identity
-    (model, scheme, weight grid, observer, calibration, backend, windows, QDQ arithmetic), on the same windows, with its interval."""
+    (model, scheme, weight grid, overrides, observer, calibration, backend, windows, QDQ arithmetic), on the same
+    windows, with its interval."""
     name, _, value = spec.partition("=")
     if name not in runs or not value:
         raise ReportError(f"--paired-vs {spec}", "pass COLUMN=VALUE, e.g. algorithm=RTN")
@@ -94,5 +98,6 @@ def add_paired(report: Report, runs: pd.DataFrame, spec: str) -> None:
     report.table.attrs.setdefault("ci", {})[header] = (report.data[f"{header} ci_low"],
                                                         report.data[f"{header} ci_high"])
     report.notes.append(f"{header}: PPL QDQ of the row / PPL QDQ of the run with {name} = {value} and the same model, "
-                        "scheme, weight grid, observer, calibration, backend, QDQ arithmetic and evaluation windows, - 1, with the 95% "
+                        "scheme, weight grid, overrides, observer, calibration, backend, QDQ arithmetic and evaluation windows, - 1, "
+                        "with the 95% "
                         "interval of a paired bootstrap over those windows.")

@@ -54,6 +54,8 @@ COMPARABILITY = {
     "params.eval.n_windows": "window count",
     # PyTorch's CPU kernels (AVX2, AVX512, ...): QDQ perplexities differ by ~1% between them (qexp/__init__.py)
     "tags.numerics.cpu_capability": "CPU kernels",
+    # the CPU model: with the same kernels an Intel and an AMD host calibrate to different programs (qexp/provenance.py)
+    "tags.cpu": "CPU",
 }
 MIXED_COLUMNS = {"text_source": ("params.eval.text_source", "text"),
                  "window_len": ("params.eval.window_len", "window len"),
@@ -118,7 +120,8 @@ def resolve_columns(names: Optional[Sequence[str]]) -> Dict[str, tuple[str, str]
 
 
 def _check_comparable(runs: pd.DataFrame, allow_mixed: bool) -> Optional[str]:
-    """None when all runs share text, window length and window count; else the groups (if --allow-mixed)."""
+    """None when all runs share text, window length, window count, CPU kernels and CPU; else the groups (if
+    --allow-mixed)."""
     keys = [k for k in COMPARABILITY if k in runs]
     groups = runs.groupby(keys, dropna=False).size() if keys else pd.Series(dtype=int)
     if len(groups) <= 1:
@@ -129,7 +132,8 @@ def _check_comparable(runs: pd.DataFrame, allow_mixed: bool) -> Optional[str]:
         for idx, n in groups.items()
     )
     if not allow_mixed:
-        raise ReportError(f"runs are not comparable, their perplexities use different text/windows: {described}",
+        raise ReportError(f"runs are not comparable, their perplexities use different text/windows/CPU: "
+                          f"{described}",
                           "narrow them with --filter / --sweep, or pass --allow-mixed to tabulate them with "
                           "those columns shown")
     return described
