@@ -1,5 +1,6 @@
 """What the benchmark scripts share: running `python -m qexp` as a subprocess, timed, against one MLflow store, and
-logging a benchmark's figures as one run of the MLflow experiment `benchmarks`."""
+logging a benchmark's figures as one run of the MLflow experiment `benchmarks`; and, for the layer-wise diagnostics
+(diag_gptq_heldout.py, diag_seq_mse.py), the quantized linears of a few decoder layers with their float inputs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,3 +54,53 @@ def benchmark_run(store: str, run_name: str, benchmark: str, tags: dict):
     with mlflow.start_run(run_name=run_name) as run:
         mlflow.set_tags({"benchmark": benchmark, **tags})
         yield run
+
+
+@dataclass
+class LinearInputs:
+    """One quantized linear of a decoder layer with its float inputs: on the calibration samples and on held-out
+    evaluation windows (the layer-wise diagnostics' unit)."""
+    layer: int
+    key: str  # Meta name, e.g. layers.2.feed_forward.w2.weight
+    grid: "WeightGrid"
+    weight: "torch.Tensor"  # fp32 [out, in]
+    calibration: "torch.Tensor"  # [tokens, in], all calibration samples in order
+    held_out: "torch.Tensor"  # [tokens, in]
+
+    @property
+    def short(self) -> str:
+        return self.key.rsplit(".", 2)[1]
+
+
+def quantized_linears(overrides: list, layers: str, held_out_windows: int):
+    """(cfg, state, iterator of LinearInputs) for the quantized linears of `layers` ("0,2,5"), the configured model
+    run layer by layer in float (qexp/transforms/capture.py) on the calibration samples and the first
+    `held_out_windows` evaluation windows."""
+    from hydra import compose, initialize_config_dir
+
+    from qexp.pipeline import prepare
+    from qexp.transforms.capture import LayerByLayer, input_of, private_static
+    from qexp.transforms.grid import grid_for, layer_linears
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, "backend=none"])
+    state = prepare(cfg, "calibration")
+    model, wanted = state.model, sorted(int(i) for i in layers.split(","))
+    static = private_static(model, cfg.export.max_context_len, cfg.model)
+    calibration = LayerByLayer(static, state.calibration.samples)
+    held_out = LayerByLayer(static, [[int(t) for t in w] for w in state.windows.ids[:held_out_windows]])
+
+    def walk():
+        for i in range(min(wanted[-1] + 1, model.params["n_layers"])):
+            if i not in wanted:
+                calibration.run(i, inputs=(), advance=True)
+                held_out.run(i, inputs=(), advance=True)
+                continue
+            xc, xh = calibration.run(i, advance=True), held_out.run(i, advance=True)
+            for key in layer_linears(i):
+                grid = grid_for(cfg.quant, key)
+                if grid is not None and grid.bits < 16:
+                    yield LinearInputs(i, key, grid, model.state_dict[key].float(), xc[input_of(key)],
+                                       xh[input_of(key)])
+
+    return cfg, state, walk()

@@ -37,48 +37,27 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", default=[])
     args = parser.parse_args()
 
-    from hydra import compose, initialize_config_dir
-
-    from qexp.pipeline import prepare
-    from qexp.transforms.capture import LayerByLayer, input_of, private_static
+    from benchmarks.common import quantized_linears
     from qexp.transforms.gptq import gptq_quantize, hessian
-    from qexp.transforms.grid import grid_for, layer_linears
     from qexp.transforms.weight_clip import block_gram, mse_scales, output_mse_scales
 
     overrides = args.overrides or ["quant=16a4w_block", "quant.block_size=32", "calibration.sampling=spread"]
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[*overrides, "backend=none"])
-    state = prepare(cfg, "calibration")
-    model = state.model
-    layers = sorted(int(i) for i in args.layers.split(","))
-    static = private_static(model, cfg.export.max_context_len, cfg.model)
-    calibration = LayerByLayer(static, state.calibration.samples)
-    held_out = LayerByLayer(static, [[int(t) for t in w] for w in state.windows.ids[: args.held_out_windows]])
+    _, _, linears = quantized_linears(overrides, args.layers, args.held_out_windows)
     print("layer linear | calibration: rtn gptq act_order clip clip_gptq out_clip out_clip_gptq | held out: the same")
-    for i in range(min(layers[-1] + 1, model.params["n_layers"])):
-        if i not in layers:
-            calibration.run(i, inputs=(), advance=True)
-            held_out.run(i, inputs=(), advance=True)
-            continue
-        xc, xh = calibration.run(i, advance=True), held_out.run(i, advance=True)
-        for key in layer_linears(i):
-            grid = grid_for(cfg.quant, key)
-            if grid is None or grid.bits >= 16:
-                continue
-            name = input_of(key)
-            w, h = model.state_dict[key].float(), hessian(xc[name])
-            clip = mse_scales(w, grid)
-            output_clip = output_mse_scales(w, block_gram(xc[name], grid.block_size or w.shape[1]), grid)
-            quantized = {"rtn": grid.quantize(w), "gptq": gptq_quantize(w, h, grid)[0],
-                         "act_order": gptq_quantize(w, h, grid, act_order=True)[0],
-                         "clip": grid.quantize(w, clip), "clip_gptq": gptq_quantize(w, h, grid, act_order=True,
-                                                                                  scales=clip)[0],
-                         "out_clip": grid.quantize(w, output_clip),
-                         "out_clip_gptq": gptq_quantize(w, h, grid, act_order=True, scales=output_clip)[0]}
-            cal = " ".join(f"{relative_error(w, q, xc[name]):.2e}" for q in quantized.values())
-            held = " ".join(f"{relative_error(w, q, xh[name]):.2e}" for q in quantized.values())
-            print(f"{i:5d} {key.rsplit('.', 2)[1]:6s} | {cal} | {held}", flush=True)
-
+    for linear in linears:
+        w, grid, xc, xh = linear.weight, linear.grid, linear.calibration, linear.held_out
+        h = hessian(xc)
+        clip = mse_scales(w, grid)
+        output_clip = output_mse_scales(w, block_gram(xc, grid.block_size or w.shape[1]), grid)
+        quantized = {"rtn": grid.quantize(w), "gptq": gptq_quantize(w, h, grid)[0],
+                     "act_order": gptq_quantize(w, h, grid, act_order=True)[0],
+                     "clip": grid.quantize(w, clip), "clip_gptq": gptq_quantize(w, h, grid, act_order=True,
+                                                                              scales=clip)[0],
+                     "out_clip": grid.quantize(w, output_clip),
+                     "out_clip_gptq": gptq_quantize(w, h, grid, act_order=True, scales=output_clip)[0]}
+        cal = " ".join(f"{relative_error(w, q, xc):.2e}" for q in quantized.values())
+        held = " ".join(f"{relative_error(w, q, xh):.2e}" for q in quantized.values())
+        print(f"{linear.layer:5d} {linear.short:6s} | {cal} | {held}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -73,56 +73,34 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", default=[])
     args = parser.parse_args()
 
-    from hydra import compose, initialize_config_dir
-
-    from qexp.pipeline import prepare
-    from qexp.transforms.capture import LayerByLayer, input_of, private_static
-    from qexp.transforms.grid import grid_for, layer_linears
+    from benchmarks.common import quantized_linears
     from qexp.transforms.weight_clip import block_gram, output_mse_scales
 
     overrides = args.overrides or ["quant=16a4w", "calibration.sampling=spread"]
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[*overrides, "backend=none"])
-    state = prepare(cfg, "calibration")
-    model = state.model
-    layers = sorted(int(i) for i in args.layers.split(","))
-    static = private_static(model, cfg.export.max_context_len, cfg.model)
-    samples = state.calibration.samples
-    first = len(samples[0])  # SeqMSE's sample: the first calibration sample, as qexp/quant/seq_mse.py runs it
-    calibration = LayerByLayer(static, samples)
-    held_out = LayerByLayer(static, [[int(t) for t in w] for w in state.windows.ids[: args.held_out_windows]])
+    cfg, state, linears = quantized_linears(overrides, args.layers, args.held_out_windows)
+    first = len(state.calibration.samples[0])  # SeqMSE's sample: the first one, as qexp/quant/seq_mse.py runs it
     print(f"{cfg.quant.scheme}, SeqMSE sample: {first} tokens; held out: {args.held_out_windows} windows")
     print("layer linear  share0     f   f_no0 | sample: rtn upstream | held out: rtn upstream per_row | up/rtn | "
           "gain: rtn upstream per_row")
     ratios, gains = [], []
-    for i in range(min(layers[-1] + 1, model.params["n_layers"])):
-        if i not in layers:
-            calibration.run(i, inputs=(), advance=True)
-            held_out.run(i, inputs=(), advance=True)
-            continue
-        xc, xh = calibration.run(i, advance=True), held_out.run(i, advance=True)
-        for key in layer_linears(i):
-            grid = grid_for(cfg.quant, key)
-            if grid is None or grid.bits >= 16:
-                continue
-            name = input_of(key)
-            w = model.state_dict[key].float()
-            x_all, x0 = xc[name], xc[name][:first]
-            scales = grid.scales(w)
-            energy = (x0 @ w.T).pow(2).sum(1)
-            share0 = float(energy[0] / energy.sum())
-            f = upstream_factor(w, scales, grid, x0, args.candidates)
-            f_no0 = upstream_factor(w, scales, grid, x0[1:], args.candidates)
-            per_row = output_mse_scales(w, block_gram(x_all, grid.block_size or w.shape[1]), grid)
-            rtn, up = grid.quantize(w, scales), grid.quantize(w, scales * f)
-            sample = [relative_error(w, q, x0) for q in (rtn, up)]
-            held = [relative_error(w, q, xh[name]) for q in (rtn, up, grid.quantize(w, per_row))]
-            gain = [output_gain(w, q, xh[name]) for q in (rtn, up, grid.quantize(w, per_row))]
-            ratios.append(held[1] / held[0])
-            gains.append(gain)
-            print(f"{i:5d} {key.rsplit('.', 2)[1]:6s} {share0:6.3f} {f:6.3f} {f_no0:6.3f} | "
-                  f"{sample[0]:.2e} {sample[1]:.2e} | {held[0]:.2e} {held[1]:.2e} {held[2]:.2e} | "
-                  f"{held[1] / held[0]:.2f} | {gain[0]:.4f} {gain[1]:.4f} {gain[2]:.4f}", flush=True)
+    for linear in linears:
+        w, grid, xh = linear.weight, linear.grid, linear.held_out
+        x0 = linear.calibration[:first]
+        scales = grid.scales(w)
+        energy = (x0 @ w.T).pow(2).sum(1)
+        share0 = float(energy[0] / energy.sum())
+        f = upstream_factor(w, scales, grid, x0, args.candidates)
+        f_no0 = upstream_factor(w, scales, grid, x0[1:], args.candidates)
+        per_row = output_mse_scales(w, block_gram(linear.calibration, grid.block_size or w.shape[1]), grid)
+        rtn, up, row = grid.quantize(w, scales), grid.quantize(w, scales * f), grid.quantize(w, per_row)
+        sample = [relative_error(w, q, x0) for q in (rtn, up)]
+        held = [relative_error(w, q, xh) for q in (rtn, up, row)]
+        gain = [output_gain(w, q, xh) for q in (rtn, up, row)]
+        ratios.append(held[1] / held[0])
+        gains.append(gain)
+        print(f"{linear.layer:5d} {linear.short:6s} {share0:6.3f} {f:6.3f} {f_no0:6.3f} | "
+              f"{sample[0]:.2e} {sample[1]:.2e} | {held[0]:.2e} {held[1]:.2e} {held[2]:.2e} | "
+              f"{held[1] / held[0]:.2f} | {gain[0]:.4f} {gain[1]:.4f} {gain[2]:.4f}", flush=True)
     worse = sum(r > 1 for r in ratios)
     print(f"upstream's factor raises the held-out output error over RTN on {worse} of {len(ratios)} linears "
           f"(median ratio {torch.tensor(ratios).median().item():.2f}, max {max(ratios):.2f})")
