@@ -98,6 +98,5 @@ def add_paired(report: Report, runs: pd.DataFrame, spec: str) -> None:
     report.table.attrs.setdefault("ci", {})[header] = (report.data[f"{header} ci_low"],
                                                         report.data[f"{header} ci_high"])
     report.notes.append(f"{header}: PPL QDQ of the row / PPL QDQ of the run with {name} = {value} and the same model, "
-                        "scheme, weight grid, overrides, observer, calibration, backend, QDQ arithmetic and evaluation windows, - 1, "
-                        "with the 95% "
-                        "interval of a paired bootstrap over those windows.")
+                        "scheme, weight grid, overrides, observer, calibration, backend, QDQ arithmetic and evaluation "
+                        "windows, - 1, with the 95% interval of a paired bootstrap over those windows.")
