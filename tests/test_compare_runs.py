@@ -100,8 +100,28 @@ def test_compare_flags_runs_on_other_windows(store):
     ppl_qdq = _metric(comparison, "ppl_qdq")
     assert ppl_qdq.flag == "NOT COMPARABLE" and np.isnan(ppl_qdq.paired).all()  # no interval across windows
     text = render(comparison)
-    assert "NOT COMPARABLE: different text/window length/window count (window count 3 vs 4)" in text
+    assert "NOT COMPARABLE: different text/window length/window count/CPU (window count 3 vs 4)" in text
     assert "paired bootstrap" not in text
+
+
+def test_compare_flags_runs_on_another_cpu(store):
+    """#18: an Intel and an AMD host calibrate the same config to different programs, so two runs on different CPU
+    models get no paired interval (the tag is restored afterwards: the store is shared by this module's tests)."""
+    import mlflow
+
+    from qexp.report.compare_runs import compare_runs
+
+    uri, ids = store
+    client = mlflow.tracking.MlflowClient(uri)
+    own = client.get_run(ids["16a8w"]).data.tags["cpu"]
+    client.set_tag(ids["16a8w"], "cpu", "AMD EPYC 9B14")
+    try:
+        comparison = compare_runs(ids["16a8w"], ids["16a4w"], uri)
+    finally:
+        client.set_tag(ids["16a8w"], "cpu", own)
+    assert comparison.not_comparable == f"CPU AMD EPYC 9B14 vs {own}"
+    ppl_qdq = _metric(comparison, "ppl_qdq")
+    assert ppl_qdq.flag == "NOT COMPARABLE" and np.isnan(ppl_qdq.paired).all()
 
 
 def test_compare_lines_up_legacy_names_and_flags_targets(synthetic):

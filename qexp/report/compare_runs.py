@@ -199,8 +199,9 @@ def _params(frame: pd.DataFrame) -> Tuple[List[Tuple[str, str, str]], int]:
     return differ, len(keys) - len(differ)
 
 
-# Logged only since qexp pinned PyTorch's CPU kernels: an older run without it still pairs on the same windows, noted.
-KEYS_OLDER_RUNS_LACK = ("tags.numerics.cpu_capability",)
+# Logged only since qexp pinned PyTorch's CPU kernels (the CPU model: by every run, but not by runs written by other
+# tools): a run without it still pairs on the same windows, noted.
+KEYS_OLDER_RUNS_LACK = ("tags.numerics.cpu_capability", "tags.cpu")
 
 
 def _not_comparable(frame: pd.DataFrame) -> Tuple[Optional[str], Optional[str], bool]:
@@ -347,7 +348,7 @@ def render(comparison: RunComparison) -> str:
     c = comparison
     lines = _run_lines("A", c.a) + _run_lines("B", c.b)
     if c.not_comparable:
-        lines += _wrapped(f"NOT COMPARABLE: different text/window length/window count ({c.not_comparable}): "
+        lines += _wrapped(f"NOT COMPARABLE: different text/window length/window count/CPU ({c.not_comparable}): "
                           "the differences of what was measured on the windows mean nothing")
     if c.timing_differs:
         lines += _wrapped(f"TIMINGS NOT COMPARABLE: {c.timing_differs}")
