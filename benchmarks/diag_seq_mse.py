@@ -45,7 +45,9 @@ def output_gain(w: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> float:
 
 def upstream_factor(w: torch.Tensor, scales: torch.Tensor, grid, x: torch.Tensor, candidates: int) -> float:
     """SeqMseModule._find_best_candidate's search, on the QNN grid: f = 1 first, a coarse sweep over
-    linspace(1/n, 1, n), then n fine steps within one coarse step of the best; loss = mean square output error."""
+    linspace(1/n, 1, n), then n fine steps within one coarse step of the best; loss = mean square output error.
+    Redone here because the module needs a prepared graph's conv node and weight observer; its factors equal the ones
+    the product's seq_mse run bakes into the QDQ program (checked against that run's quant/encodings.csv)."""
     reference = x @ w.T
 
     def loss(step: float) -> float:

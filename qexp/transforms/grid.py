@@ -101,30 +101,33 @@ class WeightGrid:
         return torch.clamp(torch.round(w / s), -self.qmax, self.qmax) * s
 
 
+def matching_override(quant_cfg, meta_key: str):
+    """The override that decides the linear `meta_key`, or None: the last matching one wins, as in QnnQuantizer
+    (strategies of equal priority: the later one first)."""
+    path = static_module_path(meta_key)
+    return next((o for o in reversed(list(quant_cfg.overrides))
+                 if re.search(override_weight_regex(o.pattern), path)), None)
+
+
 def grid_for(quant_cfg, meta_key: str) -> Optional[WeightGrid]:
     """The grid QnnQuantizer will give the weight `meta_key` under `quant_cfg` (None: not quantized)."""
     if quant_cfg.scheme == NO_QUANT:
         return None
-    path = static_module_path(meta_key)
-    # the last matching override wins, as in QnnQuantizer (strategies of equal priority: the later one first)
-    for override in reversed(list(quant_cfg.overrides)):
-        if re.search(override_weight_regex(override.pattern), path):
-            block = override.block_size if override.granularity == Granularity.per_block else None
-            return WeightGrid(weight_bits(override.scheme), block, _rounding(quant_cfg))
+    override = matching_override(quant_cfg, meta_key)
+    if override is not None:
+        block = override.block_size if override.granularity == Granularity.per_block else None
+        return WeightGrid(weight_bits(override.scheme), block, _rounding(quant_cfg))
     block = quant_cfg.block_size if quant_cfg.weight_granularity == Granularity.per_block else None
     return WeightGrid(weight_bits(quant_cfg.scheme), block, _rounding(quant_cfg))
 
 
 def activation_bits_for(quant_cfg, meta_key: str) -> Optional[int]:
     """The bits QnnQuantizer gives the input activation of the linear `meta_key` (None: not quantized): the scheme's,
-    or the last matching override's, which annotates the conv and so its input (qexp/quant/recipe.py)."""
+    or the deciding override's, which annotates the conv and so its input (qexp/quant/recipe.py)."""
     if quant_cfg.scheme == NO_QUANT:
         return None
-    path = static_module_path(meta_key)
-    for override in reversed(list(quant_cfg.overrides)):
-        if re.search(override_weight_regex(override.pattern), path):
-            return activation_bits(override.scheme)
-    return activation_bits(quant_cfg.scheme)
+    override = matching_override(quant_cfg, meta_key)
+    return activation_bits((override or quant_cfg).scheme)
 
 
 def activation_bits(scheme: str) -> int:

@@ -35,8 +35,11 @@ def smoothing_scales(x_absmax: torch.Tensor, weights, alpha: float) -> torch.Ten
     return (x_absmax.clamp(min=1e-5).pow(alpha) / w_absmax.pow(1 - alpha)).clamp(min=1e-5)
 
 
-# the linears whose inputs it smooths (Meta names): those reading a norm's output
-SMOOTHED_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+# Each norm whose output it smooths, the linears reading that output (Meta names within a layer) and the captured
+# input they share (qexp/transforms/capture.py).
+SMOOTHED = (("attention_norm", ("attention.wq", "attention.wk", "attention.wv"), "attn_in"),
+            ("ffn_norm", ("feed_forward.w1", "feed_forward.w3"), "ffn_in"))
+SMOOTHED_LINEARS = tuple(name for _, names, _ in SMOOTHED for name in names)
 
 
 @register_transform
@@ -69,12 +72,9 @@ class SmoothQuant(ModelTransform):
         static = StaticLlama.for_model_config(model, context.cfg.export.max_context_len, context.cfg.model)
         runner = LayerByLayer(static, context.calibration.samples)
         for i in range(model.params["n_layers"]):
-            x = runner.run(i, inputs=("attn_in", "ffn_in"))
-            att, ffn = f"layers.{i}.attention", f"layers.{i}.feed_forward"
-            for norm, names, input_name in ((f"layers.{i}.attention_norm.weight",
-                                             [f"{att}.wq.weight", f"{att}.wk.weight", f"{att}.wv.weight"], "attn_in"),
-                                            (f"layers.{i}.ffn_norm.weight",
-                                             [f"{ffn}.w1.weight", f"{ffn}.w3.weight"], "ffn_in")):
+            x = runner.run(i, inputs=[input_name for _, _, input_name in SMOOTHED])
+            for norm, linears, input_name in SMOOTHED:
+                norm, names = f"layers.{i}.{norm}.weight", [f"layers.{i}.{n}.weight" for n in linears]
                 s = smoothing_scales(x[input_name].abs().amax(0), [state[n] for n in names], self.config.alpha)
                 state[norm] = state[norm] / s
                 for n in names:
