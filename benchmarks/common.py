@@ -1,6 +1,7 @@
 """What the benchmark scripts share: running `python -m qexp` as a subprocess, timed, against one MLflow store, and
-logging a benchmark's figures as one run of the MLflow experiment `benchmarks`; and, for the layer-wise diagnostics
-(diag_gptq_heldout.py, diag_seq_mse.py), the quantized linears of a few decoder layers with their float inputs."""
+logging a benchmark's figures as one run of the MLflow experiment `benchmarks`; and, for the diagnostics
+(diag_gptq_heldout.py, diag_seq_mse.py, diag_rotation_awq.py), the quantized linears of a few decoder layers with
+their float inputs, and a model's perplexity with some weights swapped in (weight-only quantization)."""
 
 from __future__ import annotations
 
@@ -104,3 +105,19 @@ def quantized_linears(overrides: list, layers: str, held_out_windows: int):
                                        xh[input_of(key)])
 
     return cfg, state, walk()
+
+
+def weight_only_evaluation(cfg, model, windows, weights: dict, label: str):
+    """EvalResult of `model` with `weights` (Meta key -> tensor) swapped in, float activations, on `windows` (the FP
+    phase's evaluation of the run's static llama; nothing cached)."""
+    import dataclasses
+
+    import torch
+
+    from qexp.eval.perplexity import evaluate
+    from qexp.models.static_llama import StaticLlama, window_logits
+
+    model = dataclasses.replace(model, state_dict={**model.state_dict, **weights})
+    static = StaticLlama.for_model_config(model, cfg.export.max_context_len, cfg.model)
+    with torch.no_grad():
+        return evaluate(lambda ids: window_logits(static.module, static, ids), windows, label)

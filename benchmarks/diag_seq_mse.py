@@ -16,8 +16,19 @@ tokens), the float inputs. This script redoes that search for the linears of a f
   for all of a layer's scales clips every row's largest weights towards zero, a shrinkage that the mean square
   error trades for less rounding noise, but which does not average out across layers as rounding noise does.
 
+With `--whole-model` it tests the shrinkage causally, on the whole model's perplexity with float activations (weight-
+only quantization, so nothing but the weights differs between the variants): every quantized linear of all layers by
+RTN, by upstream's factor, by upstream's factor with its shrinkage undone (each linear's output rescaled by 1 / its
+least-squares gain on the calibration sample: the same integers at a larger per-layer scale, a legal QNN encoding),
+RTN shrunk by upstream's gain (the integers of RTN, upstream's shrinkage), the float model shrunk by that gain, and
+upstream's finer step without its clipping (not a legal 4-bit encoding: the clipping's share); then upstream's factor
+on one kind of linear, one range of layers or one of the last layers at a time (RTN elsewhere), and with each gate/up
+projection's largest-weight row put back at RTN (an outlier neuron?): where the loss is. Each Δ vs RTN carries its
+paired 95% interval over the windows.
+
     .venv/bin/python benchmarks/diag_seq_mse.py                              # SmolLM2, 16a4w per channel
     .venv/bin/python benchmarks/diag_seq_mse.py --layers 0,1,2 quant=16a4w_block quant.block_size=64
+    .venv/bin/python benchmarks/diag_seq_mse.py --whole-model                # the causal test, all 30 layers
 """
 
 from __future__ import annotations
@@ -67,11 +78,82 @@ def upstream_factor(w: torch.Tensor, scales: torch.Tensor, grid, x: torch.Tensor
     return best
 
 
+def whole_model(args, overrides: list) -> None:
+    from benchmarks.common import quantized_linears, weight_only_evaluation
+
+    layers = ",".join(str(i) for i in range(64))  # every layer the model has
+    cfg, state, linears = quantized_linears(overrides, layers, args.held_out_windows)
+    first = len(state.calibration.samples[0])
+    rtn, variants = {}, {name: {} for name in ("upstream", "upstream_gain_undone", "upstream_unclipped",
+                                               "rtn_shrunk", "fp_shrunk")}
+    gains = []
+    for linear in linears:
+        w, grid, x0 = linear.weight, linear.grid, linear.calibration[:first]
+        scales = grid.scales(w)
+        f = upstream_factor(w, scales, grid, x0, args.candidates)
+        up = grid.quantize(w, scales * f)
+        gain = output_gain(w, up, x0)  # on SeqMSE's own sample: what a corrected search could use
+        gains.append((f, gain, output_gain(w, up, linear.held_out)))
+        fine = grid.expand(scales * f, w.shape[1])
+        dtype = state.model.state_dict[linear.key].dtype
+        rtn[linear.key] = grid.quantize(w, scales).to(dtype)
+        for name, value in (("upstream", up), ("upstream_gain_undone", up / gain),
+                            # upstream's finer step without its clipping (more than 4 bits: not a legal encoding)
+                            ("upstream_unclipped", torch.round(w / fine) * fine),
+                            ("rtn_shrunk", rtn[linear.key] * gain), ("fp_shrunk", w * gain)):
+            variants[name][linear.key] = value.to(dtype)
+        print(f"layer {linear.layer:2d} {linear.short:6s} f {f:.3f} gain (sample) {gain:.4f}", flush=True)
+    g = torch.tensor(gains)
+    print(f"{len(gains)} linears; median factor {g[:, 0].median():.3f}, median gain on the sample "
+          f"{g[:, 1].median():.4f}, on held-out windows {g[:, 2].median():.4f}")
+    # where the loss is: upstream's factor on one kind of linear (or one range of layers), RTN on the rest
+    upstream = variants["upstream"]
+    for short in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"):
+        variants[f"upstream on {short} only"] = {**rtn, **{k: v for k, v in upstream.items() if f".{short}." in k}}
+    n_layers, step = state.model.params["n_layers"], 6
+    for lo in range(0, n_layers, step):
+        span = range(lo, min(lo + step, n_layers))
+        variants[f"upstream on layers {span[0]}-{span[-1]} only"] = {
+            **rtn, **{k: v for k, v in upstream.items() if int(k.split(".")[1]) in span}}
+    last = range(n_layers - step, n_layers)
+    for i in last:
+        variants[f"upstream on layer {i} only"] = {**rtn, **{k: v for k, v in upstream.items()
+                                                           if int(k.split(".")[1]) == i}}
+    in_last_ffn = [k for k in upstream if int(k.split(".")[1]) in last and (".w1." in k or ".w3." in k)]
+    variants[f"upstream on layers {last[0]}-{last[-1]} w1,w3 only"] = {**rtn, **{k: upstream[k] for k in in_last_ffn}}
+    variants[f"upstream except layers {last[0]}-{last[-1]} w1,w3"] = {**upstream, **{k: rtn[k] for k in in_last_ffn}}
+    # the outlier neurons: in every gate/up projection, the one row holding the layer's largest weight back at RTN
+    top_rows = {}
+    for k in upstream:
+        if ".w1." in k or ".w3." in k:
+            row = int(state.model.state_dict[k].abs().amax(1).argmax())
+            top_rows[k] = upstream[k].clone()
+            top_rows[k][row] = rtn[k][row]
+    variants["upstream, gate/up's largest-weight row at RTN"] = {**upstream, **top_rows}
+    print(f"weight-only perplexity ({cfg.quant.scheme}, float activations), {state.windows.n_windows} windows x "
+          f"{cfg.eval.seq_len} tokens:")
+    from qexp.eval.uncertainty import ppl_ratio_interval
+
+    print(f"  {'fp':50s} {state.fp.metrics()['ppl']:8.3f}")
+    reference = None
+    for name, weights in {"rtn": rtn, **variants}.items():
+        if name != "fp_shrunk":
+            weights = {**rtn, **weights}
+        result = weight_only_evaluation(cfg, state.model, state.windows, weights, name)
+        reference = reference or result  # RTN: the paired baseline
+        ppl, ci = result.metrics()["ppl"], ppl_ratio_interval(result.logprobs, reference.logprobs)
+        delta = result.metrics()["ppl"] / reference.metrics()["ppl"] - 1
+        vs = "" if result is reference else (f"{delta:+7.1%} [{ci['ci_low']:+.1%}, {ci['ci_high']:+.1%}] vs rtn"
+                                             f"{' ~' if ci['ci_low'] < 0 < ci['ci_high'] else ''}")
+        print(f"  {name:50s} {ppl:8.3f}  {vs}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", default="0,1,2,5,15,29")
     parser.add_argument("--held-out-windows", type=int, default=8)
     parser.add_argument("--candidates", type=int, default=30)  # conf/algorithm/seq_mse.yaml
+    parser.add_argument("--whole-model", action="store_true", help="the causal test (see above)")
     parser.add_argument("overrides", nargs="*", default=[])
     args = parser.parse_args()
 
@@ -79,6 +161,8 @@ def main() -> None:
     from qexp.transforms.weight_clip import block_gram, output_mse_scales
 
     overrides = args.overrides or ["quant=16a4w", "calibration.sampling=spread"]
+    if args.whole_model:
+        return whole_model(args, overrides)
     cfg, state, linears = quantized_linears(overrides, args.layers, args.held_out_windows)
     first = len(state.calibration.samples[0])  # SeqMSE's sample: the first one, as qexp/quant/seq_mse.py runs it
     print(f"{cfg.quant.scheme}, SeqMSE sample: {first} tokens; held out: {args.held_out_windows} windows")

@@ -383,3 +383,42 @@ def test_lpbq_block_sizes_the_emulator_cannot_run_are_refused_before_compiling(c
     with pytest.raises(ConfigError, match="LPBQ block_size=64"):
         validate(compose(TINY + ["quant=16a4w_block", "quant.block_size=64", "backend=htp"]))
     validate(compose(TINY + ["quant=16a4w_block", "quant.block_size=32", "backend=htp"]))
+
+
+V_AT_8_BITS = ["quant=16a8w", "quant.overrides=[{pattern: 'layers\\.\\d+\\.attention\\.wv_conv', scheme: 8a8w}]"]
+
+
+def test_kv_caches_of_mixed_bit_widths_are_refused_before_any_work(compose):
+    """An 8-bit-activation override on the v projection makes the v cache 8-bit beside 16-bit k caches; HTP programs
+    take one cache type (measured: that program compiled and returned garbage, top-1 agreement with QDQ 0.000; the
+    opposite mix aborted the emulator). One line naming both fixes; each fix passes."""
+    from qexp.errors import ConfigError
+    from qexp.pipeline import validate
+
+    with pytest.raises(ConfigError, match="v cache would be 8-bit beside 16-bit k caches"):
+        validate(compose(TINY + V_AT_8_BITS + ["backend=htp"]))
+    with pytest.raises(ConfigError, match="v cache would be 16-bit beside 8-bit k caches"):
+        validate(compose(TINY + ["quant=8a8w", "backend=htp",
+                                 "quant.overrides=[{pattern: 'layers\\.1\\.attention\\.wv_conv', scheme: 16a8w}]"]))
+    validate(compose(TINY + V_AT_8_BITS + ["backend=htp", "quant.custom_annotations=[annotate_kv_8bit]"]))
+    validate(compose(TINY + ["quant=16a8w", "backend=htp",
+                             "quant.overrides=[{pattern: 'layers\\.\\d+\\.attention\\.wv_conv', scheme: 16a4w}]"]))
+
+
+def test_the_lowering_checks_the_cache_widths_in_the_graph_itself(compose):
+    """What validation predicts, the deploy graph confirms: the same mixed program (built here without the HTP
+    backend's validation) is refused by the lowering's own check, and a uniform one passes it."""
+    from qexp.backends.htp.lower import check_one_kv_cache_width, quantized_graph
+    from qexp.errors import ConfigError
+    from qexp.pipeline import prepare
+
+    for overrides, mixed in ((V_AT_8_BITS, True), (V_AT_8_BITS + ["quant.custom_annotations=[annotate_kv_8bit]"], False)):
+        state = prepare(compose(TINY + overrides), through="qdq")
+        cfg, stats = state.cfg, torch.load(state.qdq.program.stats_path, weights_only=True)
+        converted, static = quantized_graph(state.deploy_model, 64, 1, state.static.r3, cfg.quant, cfg.observer, stats,
+                                            cfg.model.recompose_hadamard, "SM8650")
+        if mixed:
+            with pytest.raises(ConfigError, match=r"KV caches mix bit widths \(k 16-bit, v 8/16-bit"):
+                check_one_kv_cache_width(converted, static.n_layers)
+        else:
+            check_one_kv_cache_width(converted, static.n_layers)

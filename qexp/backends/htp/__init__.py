@@ -50,6 +50,7 @@ class HtpBackend(Backend):
                 "set model.recompose_hadamard=false (the rotation stays a matmul: same weights, same math)",
             )
         _check_lpbq_block_sizes(cfg.quant)
+        _check_one_kv_cache_width(cfg.quant)
         shapes = linear_shapes(cfg.model)  # None when the metadata does not say; the lowering checks again
         check_num_sharding(backend.num_sharding,
                            sum(1 for k in shapes if k.endswith("attention.wq.weight")) if shapes else None)
@@ -73,6 +74,31 @@ class HtpBackend(Backend):
         from qexp.backends.htp.phase import run_phase
 
         return run_phase(inputs)
+
+
+KV_8BIT_ANNOTATION = "annotate_kv_8bit"
+
+
+def _check_one_kv_cache_width(quant) -> None:
+    """Every KV cache of an HTP program must have one bit width: upstream's I/O tagging (and its phone runner) give
+    all caches one type, and qexp's runner writes each output back into its input unchanged. The v cache is the v
+    projection's output, so an override giving attention.wv other activation bits than the scheme's (the k cache,
+    written after RoPE, keeps the scheme's) mixes them: measured on the tiny model, 16a8w with wv at 8a8w compiled
+    and returned garbage (top-1 agreement with QDQ 0.000), 8a8w with wv at 16a8w aborted the emulator. The lowering
+    checks the graph itself again (lower.check_one_kv_cache_width) for whatever this prediction misses."""
+    from qexp.transforms.grid import activation_bits, activation_bits_for
+
+    if KV_8BIT_ANNOTATION in quant.custom_annotations:  # every cache at 8 bits whatever the projections get
+        return
+    scheme_bits = activation_bits(quant.scheme)
+    for i in range(256):  # layer indices, so that a layer-range override (layers\.[0-3]\.) counts
+        bits = activation_bits_for(quant, f"layers.{i}.attention.wv.weight")
+        if bits != scheme_bits:
+            raise ConfigError(
+                f"backend=htp: an override gives attention.wv {bits}-bit activations (layer {i}), so the v cache "
+                f"would be {bits}-bit beside {scheme_bits}-bit k caches, and HTP programs take one KV cache type",
+                f"give attention.wv {scheme_bits}-bit activations (e.g. an override with scheme "
+                f"{scheme_bits}a8w), or every cache 8 bits (quant.custom_annotations=[{KV_8BIT_ANNOTATION}])")
 
 
 # LPBQ block sizes this QNN SDK's x86 HTP emulator runs correctly. Block 64 segfaults it (`thr_hvx` in

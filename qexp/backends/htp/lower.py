@@ -190,9 +190,7 @@ def _tie_cache_inputs_to_outputs(prepared: torch.fx.GraphModule, n_layers: int) 
 def io_encodings(converted: torch.fx.GraphModule, n_layers: int, n_masks: int = 1) -> dict:
     """Scale/zero point of the logits output and of every cache input (what the runner quantizes/dequantizes)."""
     placeholders = [n for n in converted.graph.nodes if n.op == "placeholder"]
-
-    def input_quantize(node):
-        return next(u for u in node.users if "quantize_per_tensor" in str(u.target))
+    input_quantize = _input_quantize
 
     def input_qparams(node):
         q = input_quantize(node)
@@ -212,6 +210,32 @@ def io_encodings(converted: torch.fx.GraphModule, n_layers: int, n_masks: int = 
         "k": [input_qparams(n) for n in placeholders[-2 * n_layers : -n_layers]],
         "v": [input_qparams(n) for n in placeholders[-n_layers:]],
     }
+
+
+def check_one_kv_cache_width(converted: torch.fx.GraphModule, n_layers: int) -> None:
+    """Every cache input and output of a deploy graph at one bit width, or a clear error before lowering: the I/O
+    tagging gives all caches one type, and the runner writes each output back into its input unchanged
+    (qexp/backends/htp/__init__.py: _check_one_kv_cache_width predicts the usual cause at validation; this is the
+    graph's own word). The inputs take their outputs' ranges but keep their own qspec's bit width."""
+    placeholders = [n for n in converted.graph.nodes if n.op == "placeholder"]
+    caches = placeholders[-2 * n_layers:]
+    output = next(n for n in converted.graph.nodes if n.op == "output")
+    written = tree_leaves(output.args[0])[1:1 + 2 * n_layers]  # logits, k outputs, v outputs
+    width = lambda q: io_bits([int(q.args[3]), int(q.args[4])])  # noqa: E731
+    bits = {"k": {width(_input_quantize(n)) for n in caches[:n_layers]} | {width(n) for n in written[:n_layers]},
+            "v": {width(_input_quantize(n)) for n in caches[n_layers:]} | {width(n) for n in written[n_layers:]}}
+    if len(bits["k"] | bits["v"]) > 1:
+        text = {kind: "/".join(map(str, sorted(b))) for kind, b in bits.items()}
+        raise ConfigError(
+            f"backend=htp: this program's KV caches mix bit widths (k {text['k']}-bit, v {text['v']}-bit, inputs and "
+            f"outputs: an override gives the projections writing them other activation bits than the scheme's), and "
+            f"HTP programs take one KV cache type",
+            "give those projections the scheme's activation bits, or every cache 8 bits "
+            "(quant.custom_annotations=[annotate_kv_8bit])")
+
+
+def _input_quantize(node: torch.fx.Node) -> torch.fx.Node:
+    return next(u for u in node.users if "quantize_per_tensor" in str(u.target))
 
 
 def compile_pte(
@@ -282,6 +306,7 @@ def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, sta
             masked_softmax=uses_masked_softmax(cfg.model),
         )
     meta = static.module.get_metadata()
+    check_one_kv_cache_width(converted, static.n_layers)
     encodings = io_encodings(converted, static.n_layers, static.n_masks)
     # The KV caches, logits and mask keep the bit width of their own encodings at the graph's edge. Upstream decides
     # it from the recipe (16-bit I/O unless 8a8w or annotate_kv_8bit), which fits its recipes only: an 8-bit output

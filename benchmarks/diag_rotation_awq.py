@@ -1,0 +1,88 @@
+"""Diagnostic: why rotation + AWQ loses to round-to-nearest at LPBQ block scales (results/algorithms.md: 34.92 vs
+RTN's 32.55 at block 32), while each helps on its own or per channel.
+
+Weight-only quantization with float activations, so nothing but the weights differs: the float model, the rotated
+one, AWQ's and rotation + AWQ's (qexp's own transforms, as a run applies them; AWQ with its clip search, as the
+table's runs) are each scored on the run's evaluation windows
+
+- in float (AWQ's clip changes the function on purpose: its share);
+- with every quantized decoder linear rounded to nearest onto its QNN grid (the lm head and embedding stay float);
+- with only one kind of linear quantized (q, k, v, o, gate, down, up), the rest float: which linears' quantization
+  error the transform grew.
+
+Each row's Δ is paired with the same row of the untransformed model (a 95% bootstrap interval over the windows).
+
+    .venv/bin/python benchmarks/diag_rotation_awq.py                        # SmolLM2, LPBQ block 32
+    .venv/bin/python benchmarks/diag_rotation_awq.py quant=16a4w_block quant.block_size=64
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+KINDS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="rtn,rotation,awq,rotation+awq",
+                        help="algorithm stacks to compare ('rtn': the untransformed model)")
+    parser.add_argument("overrides", nargs="*", default=[])
+    args = parser.parse_args()
+
+    from hydra import compose, initialize_config_dir
+
+    from benchmarks.common import weight_only_evaluation
+    from qexp.eval.uncertainty import ppl_ratio_interval
+    from qexp.pipeline import prepare
+    from qexp.transforms import TransformContext, apply_transforms, build_transforms, model_transforms
+    from qexp.transforms.grid import grid_for, layer_linears
+
+    overrides = args.overrides or ["quant=16a4w_block", "quant.block_size=32"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, "algorithm=[rotation,awq]", "backend=none"])
+    state = prepare(cfg, "calibration")  # calibration data as a run of this config has it
+    n_layers = state.model.params["n_layers"]
+    linears = [(k, grid_for(cfg.quant, k)) for i in range(n_layers) for k in layer_linears(i)]
+    linears = [(k, g) for k, g in linears if g is not None and g.bits < 16]
+    print(f"{cfg.quant.scheme}, {linears[0][1].describe()}; {state.windows.n_windows} windows x {cfg.eval.seq_len} "
+          f"tokens; weight-only, float activations, lm head float")
+
+    subsets = {"float": [], "all quantized": [k for k, _ in linears],
+               **{f"{kind} only": [k for k, _ in linears if f".{kind}." in k] for kind in KINDS}}
+    results = {}
+    for stack in args.models.split(","):
+        names = [] if stack == "rtn" else stack.split("+")
+        transforms = model_transforms(build_transforms({n: cfg.algorithm.get(n) or {} for n in names}))
+        context = TransformContext(cfg, state.calibration, state.cache, state.timer)
+        model = apply_transforms(state.model, transforms, context) if transforms else state.model
+        grids = dict(linears)
+        for subset, keys in subsets.items():
+            weights = {k: grids[k].quantize(model.state_dict[k].float()).to(model.state_dict[k].dtype) for k in keys}
+            results[stack, subset] = weight_only_evaluation(cfg, model, state.windows, weights, f"{stack}: {subset}")
+
+    stacks = args.models.split(",")
+    print(f"{'subset':16s} " + " ".join(f"{s:>32s}" for s in stacks))
+    for subset in subsets:
+        cells = []
+        for stack in stacks:
+            result, base = results[stack, subset], results[stacks[0], subset]
+            ppl = result.metrics()["ppl"]
+            if stack == stacks[0]:
+                cells.append(f"{ppl:32.2f}")
+                continue
+            ci = ppl_ratio_interval(result.logprobs, base.logprobs)
+            delta = ppl / base.metrics()["ppl"] - 1
+            cells.append(f"{ppl:8.2f} {delta:+6.1%} [{ci['ci_low']:+.1%}, {ci['ci_high']:+.1%}]".rjust(32))
+        print(f"{subset:16s} " + " ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
