@@ -12,8 +12,13 @@ table's runs) are each scored on the run's evaluation windows
 
 Each row's Δ is paired with the same row of the untransformed model (a 95% bootstrap interval over the windows).
 
+With `--layer-errors`, per layer instead, for the float and the rotated model: each linear's relative weight error
+on its grid, the blocks' crest factor (absmax / rms) and its relative output error ||(Q - W) X||^2 / ||W X||^2 on
+the first evaluation windows (X: the layer's float inputs in that model).
+
     .venv/bin/python benchmarks/diag_rotation_awq.py                        # SmolLM2, LPBQ block 32
     .venv/bin/python benchmarks/diag_rotation_awq.py quant=16a4w_block quant.block_size=64
+    .venv/bin/python benchmarks/diag_rotation_awq.py --layer-errors
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="rtn,rotation,awq,rotation+awq",
                         help="algorithm stacks to compare ('rtn': the untransformed model)")
+    parser.add_argument("--layer-errors", action="store_true", help="per-layer errors, float vs rotated (above)")
+    parser.add_argument("--windows", type=int, default=4, help="evaluation windows for --layer-errors")
     parser.add_argument("overrides", nargs="*", default=[])
     args = parser.parse_args()
 
@@ -49,6 +56,8 @@ def main() -> None:
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[*overrides, "algorithm=[rotation,awq]", "backend=none"])
     state = prepare(cfg, "calibration")  # calibration data as a run of this config has it
+    if args.layer_errors:
+        return layer_errors(cfg, state, args.windows)
     n_layers = state.model.params["n_layers"]
     linears = [(k, grid_for(cfg.quant, k)) for i in range(n_layers) for k in layer_linears(i)]
     linears = [(k, g) for k, g in linears if g is not None and g.bits < 16]
@@ -82,6 +91,34 @@ def main() -> None:
             delta = ppl / base.metrics()["ppl"] - 1
             cells.append(f"{ppl:8.2f} {delta:+6.1%} [{ci['ci_low']:+.1%}, {ci['ci_high']:+.1%}]".rjust(32))
         print(f"{subset:16s} " + " ".join(cells), flush=True)
+
+
+def layer_errors(cfg, state, windows: int) -> None:
+    from qexp.transforms import TransformContext, apply_transforms, build_transforms
+    from qexp.transforms.capture import LayerByLayer, input_of, private_static
+    from qexp.transforms.grid import grid_for
+
+    rotation = build_transforms({"rotation": cfg.algorithm.get("rotation") or {}})
+    rotated = apply_transforms(state.model, rotation, TransformContext(cfg, None, state.cache, state.timer))
+    ids = [[int(t) for t in w] for w in state.windows.ids[:windows]]
+    models = {"float": state.model, "rotated": rotated}
+    runners = {name: LayerByLayer(private_static(m, cfg.export.max_context_len, cfg.model), ids)
+               for name, m in models.items()}
+    print(f"{windows} windows; float | rotated: weight rel. error, block crest factor, output rel. error")
+    for i in range(state.model.params["n_layers"]):
+        inputs = {name: runner.run(i, advance=True) for name, runner in runners.items()}
+        for kind in ("attention.wq", "attention.wv", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"):
+            key = f"layers.{i}.{kind}.weight"
+            grid, cells = grid_for(cfg.quant, key), []
+            for name, model in models.items():
+                w, x = model.state_dict[key].float(), inputs[name][input_of(key)].float()
+                q = grid.quantize(w)
+                blocks = w.reshape(w.shape[0], -1, grid.block_size or w.shape[1])
+                crest = float((blocks.abs().amax(-1) / blocks.pow(2).mean(-1).sqrt()).median())
+                reference = x @ w.T
+                cells.append(f"{float((q - w).pow(2).sum() / w.pow(2).sum()):.2e} {crest:.2f} "
+                             f"{float((x @ (q - w).T).pow(2).sum() / reference.pow(2).sum()):.2e}")
+            print(f"{i:2d} {kind:16s} | {cells[0]} | {cells[1]}", flush=True)
 
 
 if __name__ == "__main__":
