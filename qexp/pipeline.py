@@ -156,12 +156,28 @@ def run_experiment(cfg: DictConfig, job: Optional["SweepJob"] = None) -> Experim
     with Cache(cfg.cache_dir).lock("run_claims", lock_key):
         if not cfg.tracking.force:
             previous = tracker.finished_run(chash)
+            if previous is not None and not _still_valid(cfg):
+                # finished before a check that now refuses it (a garbage HTP program, say): not a result to resume
+                # from; the run below fails again inside a tracked run that says why
+                log.info("config hash %s has FINISHED run %s, but its config is refused now: not skipped", chash,
+                         previous.info.run_id)
+                previous = None
             if previous is not None:
                 log.info("config hash %s already has FINISHED run %s: skipped", chash, previous.info.run_id)
                 job.record("skipped", previous.info.run_id, chash)
                 return ExperimentResult(previous.info.run_id, dict(previous.data.metrics), {"config_hash": chash},
                                         skipped=True)
         return _tracked_run(cfg, tracker, chash, job)
+
+
+def _still_valid(cfg: DictConfig) -> bool:
+    from qexp.errors import QexpError
+
+    try:
+        validate(cfg)
+    except QexpError:
+        return False
+    return True
 
 
 def _tracked_run(cfg: DictConfig, tracker: Tracker, chash: str, job: Optional["SweepJob"]) -> ExperimentResult:

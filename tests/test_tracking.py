@@ -217,3 +217,32 @@ def test_a_dataset_logged_by_two_jobs_at_once_is_linked_not_failed(store_uri, mo
         tracker.finish()
     run = MlflowClient(store_uri).get_run(run_id)
     assert len(calls) == 2 and [d.dataset.name for d in run.inputs.dataset_inputs] == ["text:test"]
+
+
+def test_a_sweep_does_not_resume_from_a_run_its_config_is_refused_for_now(compose, store_uri, tmp_path):
+    """A config that finished before a check that now refuses it (e.g. an HTP program with mixed KV cache widths,
+    which computed garbage) is not skipped on a sweep's resume: the job runs again and fails, in a FAILED run that
+    says why. A config still valid is skipped as before."""
+    from qexp.errors import ConfigError
+    from qexp.provenance import config_hash
+    from qexp.tracking.store import Tracker
+    from qexp.tracking.sweep import SweepJob
+
+    def finished_before(cfg):  # a FINISHED run of this config, as an earlier version of qexp left it
+        tracker = Tracker(cfg.tracking)
+        tracker.start("made before the check", {"config_hash": config_hash(cfg)})
+        tracker.finish()
+
+    refused = compose(TINY + ["backend=htp", "tracking.experiment=resume_refused", "quant=16a8w",
+                              "quant.overrides=[{pattern: 'layers\\.\\d+\\.attention\\.wv_conv', scheme: 8a8w}]"])
+    finished_before(refused)
+    with pytest.raises(ConfigError, match="one KV cache type"):
+        run_experiment(refused, SweepJob("resume", None, 0, tmp_path / "job0"))
+    client = MlflowClient(store_uri)
+    runs = client.search_runs([client.get_experiment_by_name("resume_refused").experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED"]
+    assert "one KV cache type" in next(r for r in runs if r.info.status == "FAILED").data.tags["error"]
+
+    valid = compose(TINY + ["quant=fp32", "tracking.experiment=resume_valid"])
+    finished_before(valid)
+    assert run_experiment(valid, SweepJob("resume", None, 0, tmp_path / "job1")).skipped

@@ -190,23 +190,22 @@ def _tie_cache_inputs_to_outputs(prepared: torch.fx.GraphModule, n_layers: int) 
 def io_encodings(converted: torch.fx.GraphModule, n_layers: int, n_masks: int = 1) -> dict:
     """Scale/zero point of the logits output and of every cache input (what the runner quantizes/dequantizes)."""
     placeholders = [n for n in converted.graph.nodes if n.op == "placeholder"]
-    input_quantize = _input_quantize
 
     def input_qparams(node):
-        q = input_quantize(node)
+        q = _input_quantize(node)
         return [float(q.args[1]), int(q.args[2])]
 
     output = next(n for n in converted.graph.nodes if n.op == "output")
     logits = tree_leaves(output.args[0])[0]
-    mask = input_quantize(placeholders[1])
+    mask = _input_quantize(placeholders[1])
     window = {"window_mask": input_qparams(placeholders[2])} if n_masks == 2 else {}  # Gemma 3's sliding layers
     return {**window,
         "logits": [float(logits.args[1]), int(logits.args[2])],
         "logits_range": [int(logits.args[3]), int(logits.args[4])],
         "mask": input_qparams(placeholders[1]),
         "mask_range": [int(mask.args[3]), int(mask.args[4])],
-        "kv_range": [int(input_quantize(placeholders[-n_layers]).args[3]),
-                     int(input_quantize(placeholders[-n_layers]).args[4])],
+        "kv_range": [int(_input_quantize(placeholders[-n_layers]).args[3]),
+                     int(_input_quantize(placeholders[-n_layers]).args[4])],
         "k": [input_qparams(n) for n in placeholders[-2 * n_layers : -n_layers]],
         "v": [input_qparams(n) for n in placeholders[-n_layers:]],
     }
