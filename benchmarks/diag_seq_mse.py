@@ -80,6 +80,7 @@ def upstream_factor(w: torch.Tensor, scales: torch.Tensor, grid, x: torch.Tensor
 
 def whole_model(args, overrides: list) -> None:
     from benchmarks.common import quantized_linears, weight_only_evaluation
+    from qexp.eval.uncertainty import ppl_ratio_interval
 
     layers = ",".join(str(i) for i in range(64))  # every layer the model has
     cfg, state, linears = quantized_linears(overrides, layers, args.held_out_windows)
@@ -131,19 +132,18 @@ def whole_model(args, overrides: list) -> None:
             top_rows[k][row] = rtn[k][row]
     variants["upstream, gate/up's largest-weight row at RTN"] = {**upstream, **top_rows}
     print(f"weight-only perplexity ({cfg.quant.scheme}, float activations), {state.windows.n_windows} windows x "
-          f"{cfg.eval.seq_len} tokens:")
-    from qexp.eval.uncertainty import ppl_ratio_interval
-
+          f"{cfg.eval.seq_len} tokens; Δ paired, vs RTN (the float model shrunk: vs FP):")
     print(f"  {'fp':50s} {state.fp.metrics()['ppl']:8.3f}")
-    reference = None
+    rtn_result = None
     for name, weights in {"rtn": rtn, **variants}.items():
-        if name != "fp_shrunk":
-            weights = {**rtn, **weights}
-        result = weight_only_evaluation(cfg, state.model, state.windows, weights, name)
-        reference = reference or result  # RTN: the paired baseline
+        shrunk_float = name == "fp_shrunk"  # its other weights float: compared with FP, not RTN
+        result = weight_only_evaluation(cfg, state.model, state.windows, weights if shrunk_float else
+                                        {**rtn, **weights}, name)
+        rtn_result = rtn_result or result
+        reference, label = (state.fp, "fp") if shrunk_float else (rtn_result, "rtn")
         ppl, ci = result.metrics()["ppl"], ppl_ratio_interval(result.logprobs, reference.logprobs)
-        delta = result.metrics()["ppl"] / reference.metrics()["ppl"] - 1
-        vs = "" if result is reference else (f"{delta:+7.1%} [{ci['ci_low']:+.1%}, {ci['ci_high']:+.1%}] vs rtn"
+        delta = ppl / reference.metrics()["ppl"] - 1
+        vs = "" if result is reference else (f"{delta:+7.1%} [{ci['ci_low']:+.1%}, {ci['ci_high']:+.1%}] vs {label}"
                                              f"{' ~' if ci['ci_low'] < 0 < ci['ci_high'] else ''}")
         print(f"  {name:50s} {ppl:8.3f}  {vs}", flush=True)
 

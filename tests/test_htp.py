@@ -412,7 +412,8 @@ def test_the_lowering_checks_the_cache_widths_in_the_graph_itself(compose):
     from qexp.errors import ConfigError
     from qexp.pipeline import prepare
 
-    for overrides, mixed in ((V_AT_8_BITS, True), (V_AT_8_BITS + ["quant.custom_annotations=[annotate_kv_8bit]"], False)):
+    all_8_bit = V_AT_8_BITS + ["quant.custom_annotations=[annotate_kv_8bit]"]
+    for overrides, mixed in ((V_AT_8_BITS, True), (all_8_bit, False)):
         state = prepare(compose(TINY + overrides), through="qdq")
         cfg, stats = state.cfg, torch.load(state.qdq.program.stats_path, weights_only=True)
         converted, static = quantized_graph(state.deploy_model, 64, 1, state.static.r3, cfg.quant, cfg.observer, stats,
