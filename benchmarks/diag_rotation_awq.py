@@ -66,18 +66,16 @@ def main() -> None:
 
     subsets = {"float": [], "all quantized": [k for k, _ in linears],
                **{f"{kind} only": [k for k, _ in linears if f".{kind}." in k] for kind in KINDS}}
-    results = {}
-    for stack in args.models.split(","):
+    results, grids, stacks = {}, dict(linears), args.models.split(",")
+    for stack in stacks:
         names = [] if stack == "rtn" else stack.split("+")
         transforms = model_transforms(build_transforms({n: cfg.algorithm.get(n) or {} for n in names}))
         context = TransformContext(cfg, state.calibration, state.cache, state.timer)
-        model = apply_transforms(state.model, transforms, context) if transforms else state.model
-        grids = dict(linears)
+        model = apply_transforms(state.model, transforms, context)  # none for "rtn": the model itself
         for subset, keys in subsets.items():
             weights = {k: grids[k].quantize(model.state_dict[k].float()).to(model.state_dict[k].dtype) for k in keys}
             results[stack, subset] = weight_only_evaluation(cfg, model, state.windows, weights, f"{stack}: {subset}")
 
-    stacks = args.models.split(",")
     print(f"{'subset':16s} " + " ".join(f"{s:>32s}" for s in stacks))
     for subset in subsets:
         cells = []
