@@ -107,9 +107,10 @@ def quantized_linears(overrides: list, layers: str, held_out_windows: int):
     return cfg, state, walk()
 
 
-def weight_only_evaluation(cfg, model, windows, weights: dict, label: str):
+def weight_only_evaluation(cfg, model, windows, weights: dict, label: str, before_eval=None):
     """EvalResult of `model` with `weights` (Meta key -> tensor) swapped in, float activations, on `windows` (the FP
-    phase's evaluation of the run's static llama; nothing cached)."""
+    phase's evaluation of the run's static llama; nothing cached). `before_eval(static)`, if given, sees the built
+    StaticLlama before the evaluation (e.g. to register forward hooks)."""
     import dataclasses
 
     import torch
@@ -119,5 +120,7 @@ def weight_only_evaluation(cfg, model, windows, weights: dict, label: str):
 
     model = dataclasses.replace(model, state_dict={**model.state_dict, **weights})
     static = StaticLlama.for_model_config(model, cfg.export.max_context_len, cfg.model)
+    if before_eval is not None:
+        before_eval(static)
     with torch.no_grad():
         return evaluate(lambda ids: window_logits(static.module, static, ids), windows, label)

@@ -12,6 +12,16 @@ table's runs) are each scored on the run's evaluation windows
 
 Each row's Δ is paired with the same row of the untransformed model (a 95% bootstrap interval over the windows).
 
+With `--first-token`, for the untransformed and the rotated model with only the v projections quantized (`--kind`
+another linear): the same evaluation with the first position's v (the attention sink's value) computed with float
+weights, and with only the first position's v quantized; per layer, v's relative output error at the first position
+and at the others. Whether v's loss under rotation is the sink's value (each layer's attention puts most of its
+weight on position 0).
+With `--first-token --stack rotation,weight_clip,gptq` (any stack whose last transforms quantize the weights), the
+stack's own weights instead: its float perplexity, and the same with the first position's v (then every linear's
+first-position output) computed with the rotated model's float weights: how much of what the stack still loses is
+the sink's.
+
 With `--layer-errors`, per layer instead, for the float and the rotated model: each linear's relative weight error
 on its grid, the blocks' crest factor (absmax / rms) and its relative output error ||(Q - W) X||^2 / ||W X||^2 on
 the first evaluation windows (X: the layer's float inputs in that model).
@@ -19,6 +29,10 @@ the first evaluation windows (X: the layer's float inputs in that model).
     .venv/bin/python benchmarks/diag_rotation_awq.py                        # SmolLM2, LPBQ block 32
     .venv/bin/python benchmarks/diag_rotation_awq.py quant=16a4w_block quant.block_size=64
     .venv/bin/python benchmarks/diag_rotation_awq.py --layer-errors
+    .venv/bin/python benchmarks/diag_rotation_awq.py --first-token
+    .venv/bin/python benchmarks/diag_rotation_awq.py --first-token --stack rotation,weight_clip,gptq \
+        quant=16a4w_block quant.block_size=64 calibration.sampling=spread calibration.limit=128 \
+        ++algorithm.weight_clip.objective=outputs
 """
 
 from __future__ import annotations
@@ -40,6 +54,9 @@ def main() -> None:
     parser.add_argument("--models", default="rtn,rotation,awq,rotation+awq",
                         help="algorithm stacks to compare ('rtn': the untransformed model)")
     parser.add_argument("--layer-errors", action="store_true", help="per-layer errors, float vs rotated (above)")
+    parser.add_argument("--first-token", action="store_true", help="v's loss at the first position (above)")
+    parser.add_argument("--kind", default="attention.wv", help="with --first-token: the linear quantized alone")
+    parser.add_argument("--stack", default="", help="with --first-token: a weight-quantizing stack (above)")
     parser.add_argument("--windows", type=int, default=4, help="evaluation windows for --layer-errors")
     parser.add_argument("overrides", nargs="*", default=[])
     args = parser.parse_args()
@@ -54,10 +71,15 @@ def main() -> None:
 
     overrides = args.overrides or ["quant=16a4w_block", "quant.block_size=32"]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[*overrides, "algorithm=[rotation,awq]", "backend=none"])
+        algorithms = f"[{args.stack}]" if args.stack else "[rotation,awq]"
+        cfg = compose("config", overrides=[f"algorithm={algorithms}", *overrides, "backend=none"])
     state = prepare(cfg, "calibration")  # calibration data as a run of this config has it
     if args.layer_errors:
         return layer_errors(cfg, state, args.windows)
+    if args.first_token and args.stack:
+        return first_token_of_stack(cfg, state, args.stack.split(","))
+    if args.first_token:
+        return first_token(cfg, state, args.kind)
     n_layers = state.model.params["n_layers"]
     linears = [(k, grid_for(cfg.quant, k)) for i in range(n_layers) for k in layer_linears(i)]
     linears = [(k, g) for k, g in linears if g is not None and g.bits < 16]
@@ -89,6 +111,125 @@ def main() -> None:
             delta = ppl / base.metrics()["ppl"] - 1
             cells.append(f"{ppl:8.2f} {delta:+6.1%} [{ci['ci_low']:+.1%}, {ci['ci_high']:+.1%}]".rjust(32))
         print(f"{subset:16s} " + " ".join(cells), flush=True)
+
+
+def first_token(cfg, state, kind: str) -> None:
+    import torch.nn.functional as F
+
+    from benchmarks.common import weight_only_evaluation
+    from qexp.eval.uncertainty import ppl_ratio_interval
+    from qexp.transforms import TransformContext, apply_transforms, build_transforms
+    from qexp.transforms.grid import grid_for
+
+    rotation = build_transforms({"rotation": cfg.algorithm.get("rotation") or {}})
+    models = {"float": state.model,
+              "rotated": apply_transforms(state.model, rotation, TransformContext(cfg, None, state.cache, state.timer))}
+    n_layers = state.model.params["n_layers"]
+    keys = [f"layers.{i}.{kind}.weight" for i in range(n_layers)]
+    print(f"{cfg.quant.scheme}, {grid_for(cfg.quant, keys[0]).describe()}; {state.windows.n_windows} windows; "
+          f"weight-only, only {kind} quantized, float activations")
+
+    def with_float_positions(model, positions: slice, errors: dict | None):
+        """before_eval: each layer's v at `positions` recomputed with the float weights (and, with `errors`, the
+        squared output error and output energy summed per layer at position 0 and at the others)."""
+        def before_eval(static):
+            for i in range(len(static.module.layers)):
+                name, w = static.static_layout(keys[i], model.state_dict[keys[i]].float())
+                conv = static.module.get_submodule(name.removesuffix(".weight"))
+                w = w.reshape(conv.weight.shape).to(conv.weight.dtype)
+
+                def hook(module, inputs, out, w=w, i=i):  # out: [batch, channels, 1, positions]
+                    exact = F.conv2d(inputs[0], w, module.bias)
+                    if errors is not None:
+                        for name, cut in (("first", slice(0, 1)), ("rest", slice(1, None))):
+                            err, ref = (out - exact)[..., cut], exact[..., cut]
+                            e = errors.setdefault((i, name), [0.0, 0.0])
+                            e[0] += float(err.pow(2).sum())
+                            e[1] += float(ref.pow(2).sum())
+                    if positions is None:
+                        return None
+                    out = out.clone()
+                    out[..., positions] = exact[..., positions]
+                    return out
+                conv.register_forward_hook(hook)
+        return before_eval
+
+    variants = {f"{kind} quantized": None, "position 0 float": slice(0, 1), "only position 0 quantized": slice(1, None)}
+    results, errors = {}, {name: {} for name in models}
+    for name, model in models.items():
+        weights = {k: grid_for(cfg.quant, k).quantize(model.state_dict[k].float()).to(model.state_dict[k].dtype)
+                   for k in keys}
+        results[name, "float"] = weight_only_evaluation(cfg, model, state.windows, {}, f"{name}: float")
+        for variant, positions in variants.items():
+            hook = with_float_positions(model, positions, errors[name] if positions is None else None)
+            results[name, variant] = weight_only_evaluation(cfg, model, state.windows, weights,
+                                                            f"{name}: {variant}", hook)
+
+    print(f"{'':28s} {'untransformed':>34s} {'rotated':>34s}")
+    for variant in ("float", *variants):
+        cells = []
+        for name in models:
+            result, base = results[name, variant], results[name, "float"]
+            ppl = result.metrics()["ppl"]
+            ci = ppl_ratio_interval(result.logprobs, base.logprobs)
+            cells.append(f"{ppl:8.2f} {ppl / base.metrics()['ppl'] - 1:+6.1%} "
+                         f"[{ci['ci_low']:+.1%}, {ci['ci_high']:+.1%}]".rjust(34))
+        print(f"{variant:28s} " + " ".join(cells))
+    print(f"{kind}'s relative output error ||Q x - W x||^2 / ||W x||^2, position 0 | the others; "
+          "untransformed | rotated")
+    for i in range(n_layers):
+        cells = [f"{e[i, 'first'][0] / e[i, 'first'][1]:.2e} {e[i, 'rest'][0] / e[i, 'rest'][1]:.2e}"
+                 for e in errors.values()]
+        print(f"{i:2d} | {cells[0]} | {cells[1]}", flush=True)
+
+
+def float_at_first_position(static, reference, kinds) -> None:
+    """Forward hooks: each `kinds` linear (1x1 conv) of `static` computes position 0 with `reference`'s (a
+    LoadedModel's) weights for that linear, on its actual input; the other positions as they are."""
+    import torch.nn.functional as F
+
+    for i in range(len(static.module.layers)):
+        for kind in kinds:
+            key = f"layers.{i}.{kind}.weight"
+            name, w = static.static_layout(key, reference.state_dict[key].float())
+            conv = static.module.get_submodule(name.removesuffix(".weight"))
+            w = w.reshape(conv.weight.shape).to(conv.weight.dtype)
+
+            def hook(module, inputs, out, w=w):  # out: [batch, channels, 1, positions]
+                out = out.clone()
+                out[..., :1] = F.conv2d(inputs[0][..., :1], w, module.bias)
+                return out
+            conv.register_forward_hook(hook)
+
+
+def first_token_of_stack(cfg, state, stack) -> None:
+    from benchmarks.common import weight_only_evaluation
+    from qexp.eval.uncertainty import ppl_ratio_interval
+    from qexp.transforms import TransformContext, apply_transforms, build_transforms, model_transforms
+
+    def transformed(names):
+        transforms = model_transforms(build_transforms({n: cfg.algorithm.get(n) or {} for n in names}))
+        return apply_transforms(state.model, transforms, TransformContext(cfg, state.calibration, state.cache,
+                                                                          state.timer))
+
+    reference, quantized = transformed([n for n in stack if n == "rotation"]), transformed(stack)
+    attention = ("attention.wq", "attention.wk", "attention.wv", "attention.wo")
+    variants = {"float weights": (reference, ()), "the stack's weights": (quantized, ()),
+                "position 0's v float": (quantized, ("attention.wv",)),
+                "position 0's q, k, v, o float": (quantized, attention),
+                "position 0 float in every linear": (quantized, (*attention, "feed_forward.w1", "feed_forward.w2",
+                                                                 "feed_forward.w3"))}
+    print(f"{cfg.quant.scheme}, {','.join(stack)}, {cfg.calibration.limit} calibration samples; "
+          f"{state.windows.n_windows} windows; the stack's weights (float activations)")
+    results = {}
+    for variant, (model, kinds) in variants.items():
+        hooks = (lambda static, kinds=kinds: float_at_first_position(static, reference, kinds)) if kinds else None
+        results[variant] = weight_only_evaluation(cfg, model, state.windows, {}, variant, hooks)
+    base = results["float weights"]
+    for variant, result in results.items():
+        ppl, ci = result.metrics()["ppl"], ppl_ratio_interval(result.logprobs, base.logprobs)
+        print(f"{variant:34s} {ppl:8.2f} {ppl / base.metrics()['ppl'] - 1:+6.1%} "
+              f"[{ci['ci_low']:+.1%}, {ci['ci_high']:+.1%}]", flush=True)
 
 
 def layer_errors(cfg, state, windows: int) -> None:
