@@ -279,6 +279,12 @@ def _score_deployed(state, deployed) -> None:
         metrics.update({f"{k}_qdq_sub": v for k, v in qdq_sub.metrics().items() if k in ("ppl", "word_ppl")})
         metrics.update(compare(deployed, qdq_sub, "deployed", "qdq"))
     metrics.update({"deployed_eval_tokens": subset.n_predicted, "deployed_eval_windows": subset.n_windows})
+    if subset.ids.shape[1] == windows.ids.shape[1] and np.array_equal(subset.ids, windows.ids[:subset.n_windows]):
+        # whole windows (the first n): logged per window, NaN after them, so a report pairs two runs' deployed
+        # phases window by window; a budget below one window (part of window 0) has no per-window figure
+        ll = np.full(windows.n_windows, np.nan)
+        ll[:subset.n_windows] = deployed.logprobs.sum(axis=1)
+        state.per_window["ll_deployed"] = ll
     reference = "qdq" if state.qdq is not None else "fp"
     delta = f"ppl_deployed_vs_{reference}"
     log.info("%s (%s): ppl %.3f vs %s %.3f on the same %d tokens (%+.2f%%, 95%% interval [%+.2f, %+.2f]), top-1 "

@@ -172,3 +172,36 @@ def test_cli_compare_by_prefix_and_name_and_refuses_unknown_or_ambiguous(store, 
     assert report(["--compare", shared_name, ids["16a8w"]] + base) == 2
     err = capsys.readouterr().err
     assert "ambiguous" in err and ids["16a4w"][:8] in err and ids["16a4w_4_windows"][:8] in err
+
+
+def test_deployed_phases_are_paired_on_the_windows_both_scored(monkeypatch):
+    """A deployed phase that scored the first windows only (NaN after them in eval/per_window.csv) is paired over
+    those windows; two deployed phases on different windows get no interval, and the note says so."""
+    import importlib
+
+    import pandas as pd
+
+    module = importlib.import_module("qexp.report.compare_runs")  # the module (qexp.report exports the function)
+
+    rng = np.random.default_rng(0)
+    base = -200 + rng.normal(0, 5, 6)
+
+    def frame(deployed_windows, shift):
+        deployed = np.full(6, np.nan)
+        deployed[:deployed_windows] = base[:deployed_windows] - shift + rng.normal(0, 0.5, deployed_windows)
+        return pd.DataFrame({"window": np.arange(6), "ll_fp": base, "ll_qdq": base - 1.0, "ll_deployed": deployed})
+
+    files = {"a": frame(3, 1.0), "b": frame(3, 3.0), "c": frame(5, 3.0)}
+    monkeypatch.setattr(module, "window_loglikelihoods", lambda run_id: files[run_id])
+    info = pd.DataFrame({"params.eval.window_len": ["64", "64"], "tags.eval_windows_sha256": ["w", "w"]})
+
+    rows = [module.MetricRow(f"ppl_{p}", 1.0, 1.0) for p in ("fp", "qdq", "deployed")]
+    note = module._add_paired_intervals(info, rows, ["a", "b"])
+    low, high = rows[2].paired
+    assert 0 < low < high  # b's deployed phase is 2 nats per window worse on the 3 windows both scored
+    assert "ppl_fp, ppl_qdq: 6; ppl_deployed: 3" in note
+
+    rows = [module.MetricRow(f"ppl_{p}", 1.0, 1.0) for p in ("fp", "qdq", "deployed")]
+    note = module._add_paired_intervals(info, rows, ["a", "c"])
+    assert np.isnan(rows[2].paired).all() and not np.isnan(rows[1].paired).any()
+    assert "No interval on ppl_deployed: the runs' deployed phases scored different windows" in note

@@ -303,6 +303,8 @@ HTP_RUN = TINY + ["quant=16a8w", "backend=htp", "backend.prefill_ar_len=16", "ba
 
 @pytest.mark.parametrize("mode,path", [("hybrid", "prefill"), ("kv", "kv")])
 def test_three_phases_in_one_run(compose, store_uri, mode, path):
+    import numpy as np
+    import pandas as pd
     from mlflow.tracking import MlflowClient
 
     from qexp.pipeline import run_experiment
@@ -321,6 +323,14 @@ def test_three_phases_in_one_run(compose, store_uri, mode, path):
         assert name in m, name
     assert abs(m["ppl_deployed_vs_qdq"]) < 0.02 and m["top1_agreement_deployed_vs_qdq"] > 0.9
     assert m["deployed_eval_tokens"] == (63 if path == "prefill" else 11)
+    # the prefill path scored window 0 whole: its log-likelihood is in the per-window file (reports pair deployed
+    # phases by window); the kv path scored part of window 0 only, so it has no per-window figure
+    per_window = pd.read_csv(MlflowClient(store_uri).download_artifacts(result.run_id, "eval/per_window.csv"))
+    if path == "prefill":
+        assert np.exp(-per_window["ll_deployed"][0] / 63) == pytest.approx(m["ppl_deployed"], rel=1e-9)
+        assert per_window["ll_deployed"][1:].isna().all()
+    else:
+        assert "ll_deployed" not in per_window
 
 
 @pytest.mark.parametrize("scheme", ["8a8w", "8a4w", "16a16w", "16a4w", "16a4w_block"])

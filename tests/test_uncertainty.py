@@ -108,3 +108,29 @@ def test_report_pairs_runs_on_the_same_windows(compose, store_uri, tmp_path, cap
     assert data.loc[data["algorithm"] == "RTN", "Δ vs RTN"].isna().all()  # the baseline is not paired with itself
     assert (data["windows for ±1%"] >= 1).all()
     assert "Δ vs RTN" in out and "[" in out
+
+
+def test_windows_needed_for_the_deployed_program_against_its_qdq_program(monkeypatch):
+    """`--windows-needed` adds the deployed-vs-QDQ figure from the windows the deployed phase scored (NaN after them
+    in eval/per_window.csv); a run without a deployed phase on whole windows gets '-'."""
+    import importlib
+
+    from qexp.report.base import Report
+
+    paired = importlib.import_module("qexp.report.paired")
+    rng = np.random.default_rng(1)
+    fp = -150 + rng.normal(0, 5, 16)
+    qdq = fp - 2 + rng.normal(0, 1, 16)
+    close, loose = np.full(16, np.nan), np.full(16, np.nan)
+    close[:8] = qdq[:8] + rng.normal(0, 0.2, 8)  # a deployed program that tracks its QDQ program closely
+    loose[:8] = qdq[:8] + rng.normal(0, 2.0, 8)  # one that does not
+    files = {"close": pd.DataFrame({"ll_fp": fp, "ll_qdq": qdq, "ll_deployed": close}),
+             "loose": pd.DataFrame({"ll_fp": fp, "ll_qdq": qdq, "ll_deployed": loose}),
+             "qdq_only": pd.DataFrame({"ll_fp": fp, "ll_qdq": qdq})}
+    monkeypatch.setattr(paired, "per_window", lambda run_id: files[run_id])
+    runs = pd.DataFrame({"run_id": list(files), "params.eval.window_len": ["64"] * 3})
+    report = Report(table=pd.DataFrame(index=range(3)), data=runs.copy())
+    paired.add_windows_needed(report, runs, 0.01)
+    needed = dict(zip(runs["run_id"], report.data["windows for ±1% deployed vs QDQ"]))
+    assert 1 <= needed["close"] < needed["loose"] and needed["qdq_only"] == -1
+    assert list(report.table["windows for ±1% deployed vs QDQ"])[2] == "-"

@@ -276,19 +276,29 @@ def _add_paired_intervals(frame: pd.DataFrame, rows: List[MetricRow], run_ids: S
         return "No paired interval: the runs' per-window files list different windows."
     tokens = int(frame.at[0, "params.eval.window_len"]) - 1  # position 0 of a window predicts nothing
     by_name = {row.name: row for row in rows}
-    paired = []
+    paired, skipped = {}, []
     for phase in PHASES:
         column, row = f"ll_{phase}", by_name.get(f"ppl_{phase}")
         if row is None or column not in first or column not in second:
             continue
-        interval = unit_interval(second[column].to_numpy(), first[column].to_numpy(), tokens)
+        a, b = first[column].to_numpy(float), second[column].to_numpy(float)
+        if not np.array_equal(np.isfinite(a), np.isfinite(b)):
+            skipped.append(row.name)  # a deployed phase on other windows: its ppl covers other tokens than the pair
+            continue
+        scored = np.isfinite(a)  # a deployed phase may score only the first windows (NaN after them)
+        interval = unit_interval(b[scored], a[scored], tokens)
         row.paired = (interval.get("ci_low", np.nan), interval.get("ci_high", np.nan))
-        paired.append(row.name)
+        paired[row.name] = int(scored.sum())
     if not paired:
         return "No paired interval: the runs' per-window files share no phase."
-    return (f"[low, high] on {', '.join(paired)}: 95% interval of B/A-1, paired bootstrap over the {len(first)} "
-            "windows both runs scored (qexp/eval/uncertainty.py); `~`: it spans zero, the difference is within the "
-            "noise.")
+    counts = sorted(set(paired.values()), reverse=True)
+    over = (f"the {counts[0]} windows" if len(counts) == 1 else "the windows (" + "; ".join(
+        f"{', '.join(n for n, c in paired.items() if c == count)}: {count}" for count in counts) + ")")
+    note = (f"[low, high] on {', '.join(paired)}: 95% interval of B/A-1, paired bootstrap over {over} both runs "
+            "scored (qexp/eval/uncertainty.py); `~`: it spans zero, the difference is within the noise.")
+    if skipped:
+        note += f" No interval on {', '.join(skipped)}: the runs' deployed phases scored different windows."
+    return note
 
 
 # ---------------------------------------------------------------- the comparison

@@ -57,13 +57,32 @@ def add_windows_needed(report: Report, runs: pd.DataFrame, resolve: float) -> No
             continue
         needed[run_id] = windows_needed(frame["ll_qdq"].to_numpy(), frame["ll_fp"].to_numpy(), int(tokens[run_id]),
                                         resolve)
-    values = [needed.get(r, -1) for r in report.data["run_id"]]
-    report.data[header] = values
-    report.table[header] = [v if v >= 0 else "-" for v in values]
+    _add_needed_column(report, header, needed)
     report.notes.append(f"{header}: evaluation windows (of this length, from this text) that would make the 95% "
                         "interval of Δ vs FP (QDQ) no wider than that, estimated from the run's own per-window "
                         "log-likelihoods: the interval shrinks as 1/sqrt(windows). eval.limit=all evaluates every "
                         "window of the text.")
+    # the deployed program against its QDQ program (HTP faithfulness), where the run scored whole windows on it
+    deployed = {}
+    for run_id in runs["run_id"]:
+        frame = per_window(run_id)
+        if frame is None or not {"ll_qdq", "ll_deployed"} <= set(frame) or pd.isna(tokens[run_id]):
+            continue
+        scored = frame["ll_deployed"].notna().to_numpy()
+        if scored.sum() >= 2:
+            deployed[run_id] = windows_needed(frame["ll_deployed"].to_numpy()[scored],
+                                              frame["ll_qdq"].to_numpy()[scored], int(tokens[run_id]), resolve)
+    if deployed:
+        header = f"windows for ±{100 * resolve:g}% deployed vs QDQ"
+        _add_needed_column(report, header, deployed)
+        report.notes.append(f"{header}: the same for the deployed program against its own QDQ program, from the "
+                            "windows the deployed phase scored (backend.eval_tokens; emulator time grows with them).")
+
+
+def _add_needed_column(report: Report, header: str, needed: Dict[str, int]) -> None:
+    values = [needed.get(r, -1) for r in report.data["run_id"]]
+    report.data[header] = values
+    report.table[header] = [v if v >= 0 else "-" for v in values]
 
 
 def add_paired(report: Report, runs: pd.DataFrame, spec: str) -> None:
