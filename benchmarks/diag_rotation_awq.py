@@ -130,7 +130,7 @@ def first_token(cfg, state, kind: str) -> None:
           f"weight-only, only {kind} quantized, float activations")
 
     def with_float_positions(model, positions: slice, errors: dict | None):
-        """before_eval: each layer's v at `positions` recomputed with the float weights (and, with `errors`, the
+        """before_eval: each layer's `kind` linear at `positions` recomputed with the float weights (with `errors`, the
         squared output error and output energy summed per layer at position 0 and at the others)."""
         def before_eval(static):
             for i in range(len(static.module.layers)):
