@@ -114,8 +114,6 @@ def main() -> None:
 
 
 def first_token(cfg, state, kind: str) -> None:
-    import torch.nn.functional as F
-
     from benchmarks.common import weight_only_evaluation
     from qexp.eval.uncertainty import ppl_ratio_interval
     from qexp.transforms import TransformContext, apply_transforms, build_transforms
@@ -129,31 +127,6 @@ def first_token(cfg, state, kind: str) -> None:
     print(f"{cfg.quant.scheme}, {grid_for(cfg.quant, keys[0]).describe()}; {state.windows.n_windows} windows; "
           f"weight-only, only {kind} quantized, float activations")
 
-    def with_float_positions(model, positions: slice, errors: dict | None):
-        """before_eval: each layer's `kind` linear at `positions` recomputed with the float weights (with `errors`, the
-        squared output error and output energy summed per layer at position 0 and at the others)."""
-        def before_eval(static):
-            for i in range(len(static.module.layers)):
-                name, w = static.static_layout(keys[i], model.state_dict[keys[i]].float())
-                conv = static.module.get_submodule(name.removesuffix(".weight"))
-                w = w.reshape(conv.weight.shape).to(conv.weight.dtype)
-
-                def hook(module, inputs, out, w=w, i=i):  # out: [batch, channels, 1, positions]
-                    exact = F.conv2d(inputs[0], w, module.bias)
-                    if errors is not None:
-                        for name, cut in (("first", slice(0, 1)), ("rest", slice(1, None))):
-                            err, ref = (out - exact)[..., cut], exact[..., cut]
-                            e = errors.setdefault((i, name), [0.0, 0.0])
-                            e[0] += float(err.pow(2).sum())
-                            e[1] += float(ref.pow(2).sum())
-                    if positions is None:
-                        return None
-                    out = out.clone()
-                    out[..., positions] = exact[..., positions]
-                    return out
-                conv.register_forward_hook(hook)
-        return before_eval
-
     variants = {f"{kind} quantized": None, "position 0 float": slice(0, 1), "only position 0 quantized": slice(1, None)}
     results, errors = {}, {name: {} for name in models}
     for name, model in models.items():
@@ -161,7 +134,8 @@ def first_token(cfg, state, kind: str) -> None:
                    for k in keys}
         results[name, "float"] = weight_only_evaluation(cfg, model, state.windows, {}, f"{name}: float")
         for variant, positions in variants.items():
-            hook = with_float_positions(model, positions, errors[name] if positions is None else None)
+            hook = (lambda static, model=model, positions=positions, e=errors[name] if positions is None else None:
+                    float_positions(static, model, (kind,), positions, e))
             results[name, variant] = weight_only_evaluation(cfg, model, state.windows, weights,
                                                             f"{name}: {variant}", hook)
 
@@ -183,9 +157,11 @@ def first_token(cfg, state, kind: str) -> None:
         print(f"{i:2d} | {cells[0]} | {cells[1]}", flush=True)
 
 
-def float_at_first_position(static, reference, kinds) -> None:
-    """Forward hooks: each `kinds` linear (1x1 conv) of `static` computes position 0 with `reference`'s (a
-    LoadedModel's) weights for that linear, on its actual input; the other positions as they are."""
+def float_positions(static, reference, kinds, positions: slice | None, errors: dict | None = None) -> None:
+    """Forward hooks: each `kinds` linear (1x1 conv) of `static` computes `positions` with `reference`'s (a
+    LoadedModel's) weights for that linear, on its actual input; the other positions as they are (positions=None:
+    all as they are). With `errors` (one kind), the squared output error and the output energy against those weights,
+    summed per (layer, "first" | "rest" positions)."""
     import torch.nn.functional as F
 
     for i in range(len(static.module.layers)):
@@ -195,9 +171,17 @@ def float_at_first_position(static, reference, kinds) -> None:
             conv = static.module.get_submodule(name.removesuffix(".weight"))
             w = w.reshape(conv.weight.shape).to(conv.weight.dtype)
 
-            def hook(module, inputs, out, w=w):  # out: [batch, channels, 1, positions]
+            def hook(module, inputs, out, w=w, i=i):  # out: [batch, channels, 1, positions]
+                exact = F.conv2d(inputs[0], w, module.bias)
+                if errors is not None:
+                    for part, cut in (("first", slice(0, 1)), ("rest", slice(1, None))):
+                        e = errors.setdefault((i, part), [0.0, 0.0])
+                        e[0] += float((out - exact)[..., cut].pow(2).sum())
+                        e[1] += float(exact[..., cut].pow(2).sum())
+                if positions is None:
+                    return None
                 out = out.clone()
-                out[..., :1] = F.conv2d(inputs[0][..., :1], w, module.bias)
+                out[..., positions] = exact[..., positions]
                 return out
             conv.register_forward_hook(hook)
 
@@ -223,7 +207,7 @@ def first_token_of_stack(cfg, state, stack) -> None:
           f"{state.windows.n_windows} windows; the stack's weights (float activations)")
     results = {}
     for variant, (model, kinds) in variants.items():
-        hooks = (lambda static, kinds=kinds: float_at_first_position(static, reference, kinds)) if kinds else None
+        hooks = (lambda static, kinds=kinds: float_positions(static, reference, kinds, slice(0, 1))) if kinds else None
         results[variant] = weight_only_evaluation(cfg, model, state.windows, {}, variant, hooks)
     base = results["float weights"]
     for variant, result in results.items():

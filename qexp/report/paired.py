@@ -50,33 +50,34 @@ def _tokens(runs: pd.DataFrame) -> Dict[str, float]:
 
 def add_windows_needed(report: Report, runs: pd.DataFrame, resolve: float) -> None:
     header = f"windows for ±{100 * resolve:g}%"
-    tokens, needed = _tokens(runs), {}
-    for run_id in runs["run_id"]:
-        frame = per_window(run_id)
-        if frame is None or not {"ll_qdq", "ll_fp"} <= set(frame) or pd.isna(tokens[run_id]):
-            continue
-        needed[run_id] = windows_needed(frame["ll_qdq"].to_numpy(), frame["ll_fp"].to_numpy(), int(tokens[run_id]),
-                                        resolve)
-    _add_needed_column(report, header, needed)
+    _add_needed_column(report, header, _windows_needed(runs, "ll_qdq", "ll_fp", resolve))
     report.notes.append(f"{header}: evaluation windows (of this length, from this text) that would make the 95% "
                         "interval of Δ vs FP (QDQ) no wider than that, estimated from the run's own per-window "
                         "log-likelihoods: the interval shrinks as 1/sqrt(windows). eval.limit=all evaluates every "
                         "window of the text.")
     # the deployed program against its QDQ program (HTP faithfulness), where the run scored whole windows on it
-    deployed = {}
-    for run_id in runs["run_id"]:
-        frame = per_window(run_id)
-        if frame is None or not {"ll_qdq", "ll_deployed"} <= set(frame) or pd.isna(tokens[run_id]):
-            continue
-        scored = frame["ll_deployed"].notna().to_numpy()
-        if scored.sum() >= 2:
-            deployed[run_id] = windows_needed(frame["ll_deployed"].to_numpy()[scored],
-                                              frame["ll_qdq"].to_numpy()[scored], int(tokens[run_id]), resolve)
+    deployed = _windows_needed(runs, "ll_deployed", "ll_qdq", resolve)
     if deployed:
         header = f"windows for ±{100 * resolve:g}% deployed vs QDQ"
         _add_needed_column(report, header, deployed)
         report.notes.append(f"{header}: the same for the deployed program against its own QDQ program, from the "
                             "windows the deployed phase scored (backend.eval_tokens; emulator time grows with them).")
+
+
+def _windows_needed(runs: pd.DataFrame, test: str, reference: str, resolve: float) -> Dict[str, int]:
+    """{run id: windows to resolve `test` vs `reference` to ±resolve} from the windows a run scored in both columns
+    (a deployed phase's are the first ones, empty after them); runs with fewer than 2 such windows left out."""
+    tokens, needed = _tokens(runs), {}
+    for run_id in runs["run_id"]:
+        frame = per_window(run_id)
+        if frame is None or not {test, reference} <= set(frame) or pd.isna(tokens[run_id]):
+            continue
+        scored = (frame[test].notna() & frame[reference].notna()).to_numpy()
+        n = windows_needed(frame[test].to_numpy()[scored], frame[reference].to_numpy()[scored],
+                           int(tokens[run_id]), resolve)
+        if n >= 0:
+            needed[run_id] = n
+    return needed
 
 
 def _add_needed_column(report: Report, header: str, needed: Dict[str, int]) -> None:
