@@ -1,0 +1,313 @@
+"""Diagnostic: where an HTP program departs from its QDQ program, op by op.
+
+One prefill (AR-N) graph of a config's QDQ program is lowered with QNN's intermediate-output dump
+(`dump_intermediate_outputs`), run on the emulator on the first N tokens of the first evaluation window (an empty
+KV cache), and every op's output is compared with the same op of the CPU QDQ program (the edge graph the lowering
+started from) by ExecuTorch's QNN debugger: Inspector.calculate_numeric_gap with QcomSQNRComparator, the SQNR in dB
+of the dequantized HTP tensor against the CPU one. An op's SQNR is cumulative (each side computes from its own
+inputs), so the table also gives each op's *drop*: how far its SQNR falls below the worst SQNR of the compared ops
+it reads. Prints the largest drops, the worst SQNR per decoder layer and per kind of op, and the logits' agreement;
+the whole table goes to MLflow (experiment `benchmarks`) as a CSV artifact. Emulator figures: `x86_emulator`.
+
+    .venv/bin/python benchmarks/diag_htp_ops.py [--top 25] [hydra overrides, e.g. model=gemma3_270m quant=16a4w]
+
+The program differs from the deployed one in two ways, on purpose: its one method is named `forward` (the Inspector
+reads only that name), and attention is not split into one op per head (`use_mha2sha=False`: a per-head op has no op
+of the reference graph to compare with). Its logits' SQNR says whether it keeps the deployed program's gap (run the
+script for two schemes, e.g. 16a8w and 16a4w). SmolLM2 ~6 min, Gemma-3-270M ~10 min and ~11 GiB on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from benchmarks.common import benchmark_run  # noqa: E402
+
+METHOD = "forward"  # the only method name ExecuTorch's Inspector reads (its debug-handle map is keyed by it)
+REFERENCE_GRAPH = f"edge_after_transform/{METHOD}"  # the QDQ edge graph before partitioning (etrecord graph_map)
+LAYER = re.compile(r"layers\.(\d+)")
+OP = re.compile(r"aten\.(\w+)\.")
+
+
+def lower_with_dump(graph: dict, soc: str, w4_as_lpbq: bool):
+    """One deploy graph (lower._deploy_graph's dict) -> (.pte bytes, the ETRecord), lowered as the deployed program
+    is (same passes, same 4-bit lowering) but with QNN's intermediate-output dump and one method named `forward`."""
+    import contextlib
+
+    from executorch.backends.qualcomm.utils.utils import (
+        generate_htp_compiler_spec,
+        generate_qnn_executorch_compiler_spec,
+        to_edge_transform_and_lower_to_qnn,
+    )
+
+    from qexp import upstream
+    from qexp.upstream.private import (
+        executorch_backend_config,
+        lazy_graph_module_recompile,
+        lower_4bit_per_channel_as_lpbq,
+        qnn_reexport_non_strict,
+    )
+
+    spec = generate_qnn_executorch_compiler_spec(
+        soc_model=getattr(upstream.QcomChipset, soc), backend_options=generate_htp_compiler_spec(use_fp16=False),
+        shared_buffer=False, use_mha2sha=True, dump_intermediate_outputs=True)
+    w4 = lower_4bit_per_channel_as_lpbq() if w4_as_lpbq else contextlib.nullcontext()
+    with qnn_reexport_non_strict(), lazy_graph_module_recompile(), w4:
+        edge = to_edge_transform_and_lower_to_qnn(
+            module={METHOD: graph["module"]}, inputs={METHOD: graph["inputs"]}, compiler_specs={METHOD: spec},
+            dep_table={METHOD: graph["deps"]}, passes_job={METHOD: graph["passes"]},
+            skip_node_op_set={"llama.fallback.default"}, generate_etrecord=True)
+    program = edge.to_executorch(executorch_backend_config())
+    return program.buffer, program.get_etrecord()
+
+
+def first_chunk_inputs(ids, reference, encodings: dict, context: int, sliding_window):
+    """(the emulator's quantized inputs, the reference graph's float inputs) for the first AR-N tokens on an empty
+    cache, as qexp's HTP runner builds them (qexp/backends/htp/runner.py)."""
+    from qexp.backends.htp.runner import PADDING_MASK_VALUE, mask_values
+
+    placeholders = [n for n in reference.graph.nodes
+                    if n.op == "placeholder" and n.name in reference.graph_signature.user_inputs]
+    ar = int(placeholders[0].meta["val"].shape[-1])
+    n_masks = 2 if "window_mask" in encodings else 1
+    if sliding_window and int(sliding_window) < ar:
+        raise SystemExit(f"the sliding window ({sliding_window}) is shorter than the AR-{ar} chunk")
+    tokens = torch.as_tensor([list(ids[:ar])], dtype=torch.int32)
+    positions = torch.arange(ar, dtype=torch.int32).reshape(1, ar)
+    attend = torch.zeros((ar, context), dtype=torch.bool)
+    attend[:, context - ar:] = torch.tril(torch.ones(ar, ar, dtype=torch.bool))  # the cache part is empty
+    # with nothing cached, the sliding-window mask (Gemma 3) attends what the causal one does
+    masks_q = []
+    for name in ["mask", "window_mask"][:n_masks]:
+        on, off, dtype = mask_values(encodings, name)
+        masks_q.append(torch.where(attend, on, off).to(dtype).reshape(1, 1, ar, context))
+    mask_f = torch.where(attend, 0.0, PADDING_MASK_VALUE).reshape(1, 1, ar, context)
+    caches = placeholders[2 + n_masks:]
+    zero_points = [zp for _, zp in encodings["k"]] + [zp for _, zp in encodings["v"]]
+    kv_dtype = torch.uint8 if encodings["kv_range"][1] <= 255 else torch.uint16
+    caches_q = [torch.full(tuple(n.meta["val"].shape), zp, dtype=kv_dtype) for n, zp in zip(caches, zero_points)]
+    caches_f = [torch.zeros(tuple(n.meta["val"].shape)) for n in caches]  # a zero point dequantizes to 0
+    quantized = (tokens, *masks_q, positions, *caches_q)
+    floats = (tokens, *[mask_f] * n_masks, positions, *caches_f)
+    return quantized, floats, ar
+
+
+def op_kind(node) -> str:
+    """`convolution`, `_softmax`, `mul`, ...: the ATen op of an edge node, without namespace and overload."""
+    found = OP.search(str(node.target))
+    return found.group(1) if found else str(node.target)
+
+
+def layer_of(node) -> int | None:
+    """The decoder layer an edge node belongs to, from its module stack or its source stack trace."""
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        found = LAYER.search(path)
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def op_table(gaps, reference, split: set):
+    """Inspector rows -> one row per compared op in graph order: op, kind, layer, SQNR, the worst SQNR of the
+    compared ops it reads (walking back through ops that were not compared) and its drop below that. `split`: the
+    ops left out because they run split per head; a row whose walk passed one has ` +heads` in its kind."""
+    import pandas as pd
+
+    nodes = {n.name: n for n in reference.graph.nodes}
+    order = {name: i for i, name in enumerate(nodes)}
+    sqnr = {}
+    for _, row in gaps.iterrows():
+        value = float(row.gap[0]) if len(row.gap) else float("nan")
+        for name in row.aot_ops:
+            sqnr[name] = value
+
+    def worst_input(node, seen):
+        """(the worst SQNR of the compared ops `node` reads, whether the walk passed a per-head op); inf: it reads
+        only graph inputs and constants, which both sides have exactly."""
+        worst, heads = math.inf, False
+        for parent in node.all_input_nodes:
+            if parent.name in seen:
+                continue
+            seen.add(parent.name)
+            if parent.name in sqnr:
+                worst = min(worst, sqnr[parent.name])
+            elif parent.op == "call_function":  # an op without its own comparison: look through it
+                below, below_heads = worst_input(parent, seen)
+                worst, heads = min(worst, below), heads or below_heads or parent.name in split
+        return worst, heads
+
+    rows = []
+    for name, value in sqnr.items():
+        node = nodes[name]
+        before, heads = worst_input(node, set())
+        rows.append({"order": order[name], "op": name, "kind": op_kind(node) + (" +heads" if heads else ""),
+                     "layer": layer_of(node), "sqnr_db": value, "input_sqnr_db": before,
+                     "drop_db": (before - value) if math.isfinite(before) else (math.inf if math.isfinite(value)
+                                                                                   else 0.0)})
+    return pd.DataFrame(rows).sort_values("order").reset_index(drop=True)
+
+
+def sqnr_comparator(reference):
+    """ExecuTorch's QNN SQNR comparator, comparing only the ops whose HTP tensor is the whole of the reference op's:
+    with attention split per head (MHA2SHA, as deployed), an op split into one op per head logs its first head's
+    tensor under the whole op's debug handle. Those (per-head q/k/v, scores, softmax) are left out and counted;
+    the attention's output, concatenated again, is compared."""
+    from executorch.backends.qualcomm.debugger.qcom_numerical_comparator_sample import QcomSQNRComparator
+
+    class WholeTensorSQNR(QcomSQNRComparator):
+        def compare(self, mapping, aot_names, runtime_names):
+            def whole(golden, htp):
+                if isinstance(golden, torch.Tensor) and isinstance(htp, torch.Tensor):
+                    return golden.numel() == htp.numel()
+                return isinstance(golden, (tuple, list)) and isinstance(htp, (tuple, list)) and \
+                    len(golden) == len(htp) and all(whole(g, h) for g, h in zip(golden, htp))
+
+            kept = {aot: rt for aot, rt in mapping.items() if whole(aot[1], rt[1])}
+            self.split_ops = [aot_names.get(aot[0], aot[0]) for aot in mapping if aot not in kept]
+            return super().compare(kept, aot_names, runtime_names)
+
+    return WholeTensorSQNR(edge_ep=reference)
+
+
+def logits_agreement(htp_logits: torch.Tensor, cpu_logits: torch.Tensor) -> dict:
+    """SQNR (dB) of `htp_logits` against `cpu_logits` (inf when equal) and the share of positions with the same
+    top-1 token."""
+    noise = (htp_logits - cpu_logits).double().pow(2).sum()
+    sqnr = math.inf if noise == 0 else 10 * math.log10(cpu_logits.double().pow(2).sum() / noise)
+    return {"logits_sqnr_db": sqnr,
+            "top1_htp_vs_qdq": (htp_logits.argmax(-1) == cpu_logits.argmax(-1)).float().mean().item()}
+
+
+@dataclass
+class OpDiagnosis:
+    table: "pd.DataFrame"  # one row per compared op (op_table)
+    summary: dict  # logits' agreement, ops compared, timings
+    htp_logits: torch.Tensor  # [AR-N, vocab], dequantized
+    deployed_logits: torch.Tensor  # the deployed program's (compile_pte, cached) on the same tokens
+    left_out: dict  # ops not compared and why: split per head (MHA2SHA), multi-output events
+
+
+def diagnose(cfg) -> OpDiagnosis:
+    """The whole diagnostic for one config (backend=htp, a prefill graph): lower, run, compare."""
+    from executorch.devtools import Inspector
+
+    from qexp.backends.htp.config import ModelMode, W4Lowering
+    from qexp.backends.htp.lower import PREFILL_GRAPH, _deploy_graph, compile_pte, graph_ar_lens
+    from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
+    from qexp.backends.htp.runner import HtpRunner
+    from qexp.pipeline import prepare
+    from qexp.provenance import library_versions
+    from qexp.upstream.private import inspector_skipping_unmatched_outputs, load_program
+
+    if cfg.backend.name != "htp" or cfg.backend.model_mode == ModelMode.kv:
+        raise SystemExit("diag_htp_ops needs backend=htp with an AR-N prefill graph (model_mode hybrid or lookahead)")
+    state = prepare(cfg, through="qdq")
+    ensure_qnn_sdk(state.cache)
+    stats = torch.load(state.qdq.program.stats_path, weights_only=True)
+    started = time.perf_counter()
+    graph = _deploy_graph(state.deploy_model, cfg, PREFILL_GRAPH, graph_ar_lens(cfg.backend)[PREFILL_GRAPH],
+                          state.static.r3, stats, state.timer)
+    buffer, etrecord = lower_with_dump(graph, cfg.backend.soc.value, cfg.backend.w4_lowering == W4Lowering.lpbq)
+    lower_s = time.perf_counter() - started
+    reference = etrecord.graph_map[REFERENCE_GRAPH]
+    encodings = graph["encodings"]
+    quantized, floats, ar = first_chunk_inputs(state.windows.ids[0], reference, encodings,
+                                               int(cfg.backend.max_seq_len), graph["meta"].get("get_sliding_window"))
+    del graph
+    # The deployed program on the same tokens: QNN fuses ops it need not dump, so the dumped program can round
+    # differently; how far the two programs' logits are apart says how much of the table is the deployed program's.
+    deployed = compile_pte(state.deploy_model, cfg, state.qdq.program, state.static.r3, state.cache, state.timer,
+                           library_versions())
+    deployed_logits = HtpRunner(deployed).prefill_logits([int(t) for t in state.windows.ids[0][:ar]])
+    del state, deployed
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        (tmp / "model.pte").write_bytes(buffer)
+        del buffer
+        # the debug buffer holds every dumped tensor of one call (SmolLM2's AR-32 graph: ~0.3 GB); pages it does not
+        # use are never touched
+        module = load_program(tmp / "model.pte", enable_etdump=True, debug_buffer_size=4 << 30)
+        started = time.perf_counter()
+        out = module.run_method(METHOD, quantized)
+        run_s = time.perf_counter() - started
+        module.write_etdump_result_to_file(str(tmp / "etdump.etdp"), str(tmp / "debug.bin"))
+        scale, zero_point = encodings["logits"]
+        htp_logits = (out[0].to(torch.float32).reshape(ar, -1) - zero_point) * scale
+        del module, out
+        etrecord.update_representative_inputs([floats])
+        etrecord.save(str(tmp / "etrecord.bin"))
+        inspector = Inspector(etdump_path=str(tmp / "etdump.etdp"), debug_buffer_path=str(tmp / "debug.bin"),
+                              etrecord=str(tmp / "etrecord.bin"), reference_graph_name=REFERENCE_GRAPH)
+        with inspector_skipping_unmatched_outputs() as skipped:
+            comparator = sqnr_comparator(reference)
+            gaps = inspector.calculate_numeric_gap(distance=comparator, reference_graph=REFERENCE_GRAPH)
+    with torch.no_grad():
+        cpu_logits = reference.module()(*floats)[0].float().reshape(ar, -1)
+    split = {name for names in comparator.split_ops for name in names}
+    table = op_table(gaps, reference, split)
+    summary = {**logits_agreement(htp_logits, cpu_logits), "ops_compared": len(table),
+               **{f"deployed_{k}": v for k, v in logits_agreement(deployed_logits, cpu_logits).items()},
+               "dumped_vs_deployed_logits_sqnr_db": logits_agreement(htp_logits, deployed_logits)["logits_sqnr_db"],
+               "min_op_sqnr_db": float(table.sqnr_db[table.sqnr_db.map(math.isfinite)].min()),
+               "lower_s": lower_s, "emulator_run_s": run_s, "tokens": ar}
+    return OpDiagnosis(table, summary, htp_logits, deployed_logits, {"split_per_head": len(split), "multi_output_events": len(skipped)})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--top", type=int, default=25, help="how many of the largest drops to print")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+
+    import mlflow
+    import pandas as pd
+    from hydra import compose, initialize_config_dir
+
+    import qexp.config  # noqa: F401
+    from qexp.tracking.store import resolve_uri
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=16a4w_wikitext", *args.overrides])
+    result = diagnose(cfg)
+    table, summary = result.table, result.summary
+
+    label = f"{cfg.model.name} {cfg.quant.scheme} (w4_lowering={cfg.backend.w4_lowering.value})"
+    pd.set_option("display.width", 200)
+    print(f"\n{label}: HTP vs its QDQ program op by op, the first {summary['tokens']} tokens of window 0 "
+          f"(target=x86_emulator)")
+    print(f"  logits: {summary['logits_sqnr_db']:.1f} dB, top-1 agreement {summary['top1_htp_vs_qdq']:.3f}; "
+          f"{len(table)} ops compared (left out: {result.left_out['split_per_head']} split per head, "
+          f"{result.left_out['multi_output_events']} multi-output events)")
+    print(f"  the deployed program on the same tokens: {summary['deployed_logits_sqnr_db']:.1f} dB, top-1 agreement "
+          f"{summary['deployed_top1_htp_vs_qdq']:.3f}; dumped vs deployed logits "
+          f"{summary['dumped_vs_deployed_logits_sqnr_db']:.1f} dB (QNN fuses ops it need not dump)")
+    shown = ["op", "kind", "layer", "input_sqnr_db", "sqnr_db", "drop_db"]
+    finite = table[table.drop_db.map(math.isfinite)]
+    print(f"\nlargest drops (an op's SQNR below the worst of its compared inputs'; `+heads`: the drop includes the "
+          f"per-head ops before it):\n{finite.nlargest(args.top, 'drop_db')[shown].to_string(index=False, float_format='%.1f')}")
+    by_layer = table.dropna(subset=["layer"]).groupby("layer").sqnr_db.min()
+    print(f"\nworst SQNR per decoder layer (dB):\n{by_layer.to_frame().T.to_string(float_format='%.1f')}")
+    by_kind = finite.groupby("kind").drop_db.agg(["count", "median", "max"]).sort_values("max", ascending=False)
+    print(f"\ndrop per kind of op (dB):\n{by_kind.to_string(float_format='%.1f')}")
+
+    with benchmark_run(resolve_uri(cfg.tracking), f"diag_htp_ops-{cfg.model.name}-{cfg.quant.scheme}",
+                       "diag_htp_ops", {"target": "x86_emulator", "model": cfg.model.name,
+                                        "scheme": cfg.quant.scheme, "w4_lowering": cfg.backend.w4_lowering.value}):
+        mlflow.log_metrics({**summary, **{f"left_out_{k}": v for k, v in result.left_out.items()}})
+        mlflow.log_text(table.to_csv(index=False), "diag_htp_ops.csv")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""benchmarks/diag_htp_ops.py on the tiny model (x86 HTP emulator): the program it dumps computes what the deployed
+program computes (the same logits on the same tokens), and every decoder layer's ops are compared."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from helpers import REPO, TINY
+
+sys.path.insert(0, str(REPO))
+
+
+def test_op_by_op_diagnosis_of_the_deployed_program(compose):
+    from benchmarks.diag_htp_ops import diagnose
+
+    cfg = compose(TINY + ["quant=16a4w", "backend=htp", "backend.prefill_ar_len=16"])
+    result = diagnose(cfg)
+    table, summary = result.table, result.summary
+    # on this model the dump, one method named `forward` and one context change nothing the device computes (on
+    # SmolLM2 they do, a little: QNN fuses ops it need not dump; the script prints both programs' agreement)
+    assert torch.equal(result.htp_logits, result.deployed_logits)
+    assert summary["dumped_vs_deployed_logits_sqnr_db"] == math.inf
+
+    assert summary["tokens"] == 16 and summary["top1_htp_vs_qdq"] > 0.9 and summary["logits_sqnr_db"] > 25
+    n_layers = 2  # model=tiny
+    assert set(table.layer.dropna().astype(int)) == set(range(n_layers))
+    for layer in range(n_layers):  # the o, gate, up and down projections run whole (q/k/v are split per head)
+        convs = table[(table.layer == layer) & (table.kind == "convolution")]
+        assert len(convs) >= 4 and convs.sqnr_db.between(20, 120).all(), convs
+    assert result.left_out["split_per_head"] > 0 and table.kind.str.endswith("+heads").any()
+    finite = table[table.drop_db.map(math.isfinite)]
+    assert (finite.input_sqnr_db - finite.sqnr_db - finite.drop_db).abs().max() < 1e-9
