@@ -2,19 +2,23 @@
 
 One prefill (AR-N) graph of a config's QDQ program is lowered with QNN's intermediate-output dump
 (`dump_intermediate_outputs`), run on the emulator on the first N tokens of the first evaluation window (an empty
-KV cache), and every op's output is compared with the same op of the CPU QDQ program (the edge graph the lowering
-started from) by ExecuTorch's QNN debugger: Inspector.calculate_numeric_gap with QcomSQNRComparator, the SQNR in dB
-of the dequantized HTP tensor against the CPU one. An op's SQNR is cumulative (each side computes from its own
-inputs), so the table also gives each op's *drop*: how far its SQNR falls below the worst SQNR of the compared ops
-it reads. Prints the largest drops, the worst SQNR per decoder layer and per kind of op, and the logits' agreement;
-the whole table goes to MLflow (experiment `benchmarks`) as a CSV artifact. Emulator figures: `x86_emulator`.
+KV cache), and every op's output is compared with the same op of the CPU QDQ program by ExecuTorch's QNN debugger
+(Inspector.calculate_numeric_gap with QcomSQNRComparator: the SQNR in dB of the dequantized HTP tensor against the
+CPU one). The reference is the edge graph the lowering started from with its activations quantized again (QNN's
+passes fold them into encodings, which would leave float activations: requantize_activations). An op's SQNR is
+cumulative (each side computes from its own inputs), so the table also gives each op's *drop*: how far its SQNR falls
+below the worst SQNR of the compared ops it reads (negative when the op hides its inputs' differences, as a norm or a
+sigmoid can). Prints the largest drops, the worst SQNR per decoder layer and per kind of op, and the logits'
+agreement (also the deployed program's, on the same tokens); the whole table goes to MLflow (experiment
+`benchmarks`) as a CSV artifact. Emulator figures: `x86_emulator`.
 
     .venv/bin/python benchmarks/diag_htp_ops.py [--top 25] [hydra overrides, e.g. model=gemma3_270m quant=16a4w]
 
-The program differs from the deployed one in two ways, on purpose: its one method is named `forward` (the Inspector
-reads only that name), and attention is not split into one op per head (`use_mha2sha=False`: a per-head op has no op
-of the reference graph to compare with). Its logits' SQNR says whether it keeps the deployed program's gap (run the
-script for two schemes, e.g. 16a8w and 16a4w). SmolLM2 ~6 min, Gemma-3-270M ~10 min and ~11 GiB on this machine.
+The program differs from the deployed one on purpose in that its one method is named `forward` (the Inspector reads
+only that name), and in what QNN cannot fuse when every tensor is dumped: the script prints how far the two
+programs' logits are apart (tiny model: identical; Gemma-3-270M 16a8w: 50.8 dB). Attention runs split per head as
+deployed (MHA2SHA); per-head ops have no whole-tensor counterpart and are left out, and a row whose drop includes
+them says `+heads`. SmolLM2 ~10 min, Gemma-3-270M ~8 min and ~13 GiB on this machine.
 """
 
 from __future__ import annotations
@@ -72,6 +76,37 @@ def lower_with_dump(graph: dict, soc: str, w4_as_lpbq: bool):
     return program.buffer, program.get_etrecord()
 
 
+def requantize_activations(reference) -> int:
+    """Put the activation quantization back into the reference graph, in place; returns how many tensors it
+    quantizes.
+
+    ExecuTorch's QNN passes fold every activation's quantize/dequantize pair into the producing node's encoding
+    (FoldQDQ, `quant_attrs` in its meta) before the graph the Inspector runs as its reference, so that graph computes
+    with float activations and quantized weights: compared with it, HTP would be charged with the activation
+    quantization the CPU QDQ program has too. Each encoded node's output goes through quantize and dequantize again
+    (the QDQ program's own ops), so the reference is the QDQ program; the node itself still reports its output
+    before quantization, which differs from HTP's quantized one by the rounding only."""
+    from executorch.backends.qualcomm.utils.constants import QCOM_QUANT_ATTRS
+
+    ops = torch.ops.quantized_decomposed
+    graph, count = reference.graph_module.graph, 0
+    for node in list(graph.nodes):
+        attrs = node.meta.get(QCOM_QUANT_ATTRS)
+        value = node.meta.get("val")
+        if not attrs or not isinstance(value, torch.Tensor) or not value.is_floating_point() or \
+                "per_tensor" not in str(attrs["encoding"]):
+            continue
+        args = (attrs["scale"], attrs["zero_point"], attrs["quant_min"], attrs["quant_max"], attrs["dtype"])
+        with graph.inserting_after(node):
+            quantized = graph.call_function(ops.quantize_per_tensor.default, (node, *args))
+        with graph.inserting_after(quantized):
+            dequantized = graph.call_function(ops.dequantize_per_tensor.default, (quantized, *args))
+        node.replace_all_uses_with(dequantized, delete_user_cb=lambda user: user is not quantized)
+        count += 1
+    reference.graph_module.recompile()
+    return count
+
+
 def first_chunk_inputs(ids, reference, encodings: dict, context: int, sliding_window):
     """(the emulator's quantized inputs, the reference graph's float inputs) for the first AR-N tokens on an empty
     cache, as qexp's HTP runner builds them (qexp/backends/htp/runner.py)."""
@@ -107,6 +142,12 @@ def op_kind(node) -> str:
     """`convolution`, `_softmax`, `mul`, ...: the ATen op of an edge node, without namespace and overload."""
     found = OP.search(str(node.target))
     return found.group(1) if found else str(node.target)
+
+
+def module_of(node) -> str:
+    """The innermost module an edge node was traced in (e.g. `layers.8.post_attention_norm`), '' if unknown."""
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    return stack[-1][0] if stack else ""
 
 
 def layer_of(node) -> int | None:
@@ -152,7 +193,7 @@ def op_table(gaps, reference, split: set):
         node = nodes[name]
         before, heads = worst_input(node, set())
         rows.append({"order": order[name], "op": name, "kind": op_kind(node) + (" +heads" if heads else ""),
-                     "layer": layer_of(node), "sqnr_db": value, "input_sqnr_db": before,
+                     "layer": layer_of(node), "module": module_of(node), "sqnr_db": value, "input_sqnr_db": before,
                      "drop_db": (before - value) if math.isfinite(before) else (math.inf if math.isfinite(value)
                                                                                    else 0.0)})
     return pd.DataFrame(rows).sort_values("order").reset_index(drop=True)
@@ -208,7 +249,7 @@ def diagnose(cfg) -> OpDiagnosis:
     from qexp.backends.htp.runner import HtpRunner
     from qexp.pipeline import prepare
     from qexp.provenance import library_versions
-    from qexp.upstream.private import inspector_skipping_unmatched_outputs, load_program
+    from qexp.upstream.private import inspector_skipping_unmatched_outputs, load_program, set_inspector_reference_graph
 
     if cfg.backend.name != "htp" or cfg.backend.model_mode == ModelMode.kv:
         raise SystemExit("diag_htp_ops needs backend=htp with an AR-N prefill graph (model_mode hybrid or lookahead)")
@@ -224,6 +265,10 @@ def diagnose(cfg) -> OpDiagnosis:
     encodings = graph["encodings"]
     quantized, floats, ar = first_chunk_inputs(state.windows.ids[0], reference, encodings,
                                                int(cfg.backend.max_seq_len), graph["meta"].get("get_sliding_window"))
+    with torch.no_grad():  # the QDQ program the lowering started from, on the same inputs: the reference's check
+        from qexp.upstream.private import tree_leaves
+
+        qdq_logits = tree_leaves(graph["module"](*floats))[0].float().reshape(ar, -1)
     del graph
     # The deployed program on the same tokens: QNN fuses ops it need not dump, so the dumped program can round
     # differently; how far the two programs' logits are apart says how much of the table is the deployed program's.
@@ -250,6 +295,8 @@ def diagnose(cfg) -> OpDiagnosis:
         etrecord.save(str(tmp / "etrecord.bin"))
         inspector = Inspector(etdump_path=str(tmp / "etdump.etdp"), debug_buffer_path=str(tmp / "debug.bin"),
                               etrecord=str(tmp / "etrecord.bin"), reference_graph_name=REFERENCE_GRAPH)
+        requantized = requantize_activations(reference)
+        set_inspector_reference_graph(inspector, REFERENCE_GRAPH, reference)
         with inspector_skipping_unmatched_outputs() as skipped:
             comparator = sqnr_comparator(reference)
             gaps = inspector.calculate_numeric_gap(distance=comparator, reference_graph=REFERENCE_GRAPH)
@@ -260,8 +307,10 @@ def diagnose(cfg) -> OpDiagnosis:
     summary = {**logits_agreement(htp_logits, cpu_logits), "ops_compared": len(table),
                **{f"deployed_{k}": v for k, v in logits_agreement(deployed_logits, cpu_logits).items()},
                "dumped_vs_deployed_logits_sqnr_db": logits_agreement(htp_logits, deployed_logits)["logits_sqnr_db"],
+               "reference_vs_qdq_program_logits_sqnr_db": logits_agreement(cpu_logits, qdq_logits)["logits_sqnr_db"],
                "min_op_sqnr_db": float(table.sqnr_db[table.sqnr_db.map(math.isfinite)].min()),
                "lower_s": lower_s, "emulator_run_s": run_s, "tokens": ar}
+    summary["activations_requantized"] = requantized
     return OpDiagnosis(table, summary, htp_logits, deployed_logits, {"split_per_head": len(split), "multi_output_events": len(skipped)})
 
 
@@ -293,7 +342,10 @@ def main() -> None:
     print(f"  the deployed program on the same tokens: {summary['deployed_logits_sqnr_db']:.1f} dB, top-1 agreement "
           f"{summary['deployed_top1_htp_vs_qdq']:.3f}; dumped vs deployed logits "
           f"{summary['dumped_vs_deployed_logits_sqnr_db']:.1f} dB (QNN fuses ops it need not dump)")
-    shown = ["op", "kind", "layer", "input_sqnr_db", "sqnr_db", "drop_db"]
+    print(f"  reference: the QDQ program ({summary['activations_requantized']} activations requantized after QNN's "
+          f"passes), its logits {summary['reference_vs_qdq_program_logits_sqnr_db']:.1f} dB from the converted "
+          f"graph's")
+    shown = ["op", "kind", "module", "input_sqnr_db", "sqnr_db", "drop_db"]
     finite = table[table.drop_db.map(math.isfinite)]
     print(f"\nlargest drops (an op's SQNR below the worst of its compared inputs'; `+heads`: the drop includes the "
           f"per-head ops before it):\n{finite.nlargest(args.top, 'drop_db')[shown].to_string(index=False, float_format='%.1f')}")

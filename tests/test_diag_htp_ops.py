@@ -24,12 +24,16 @@ def test_op_by_op_diagnosis_of_the_deployed_program(compose):
     assert torch.equal(result.htp_logits, result.deployed_logits)
     assert summary["dumped_vs_deployed_logits_sqnr_db"] == math.inf
 
-    assert summary["tokens"] == 16 and summary["top1_htp_vs_qdq"] > 0.9 and summary["logits_sqnr_db"] > 25
+    # the reference is the QDQ program (activations requantized after QNN's passes), not float activations: its
+    # logits are the converted QDQ graph's to within the passes' rewrites, and HTP agrees with it far better than
+    # with float activations (38 dB here before the reference was requantized)
+    assert summary["activations_requantized"] > 100 and summary["reference_vs_qdq_program_logits_sqnr_db"] > 60
+    assert summary["tokens"] == 16 and summary["top1_htp_vs_qdq"] > 0.9 and summary["logits_sqnr_db"] > 45
     n_layers = 2  # model=tiny
     assert set(table.layer.dropna().astype(int)) == set(range(n_layers))
     for layer in range(n_layers):  # the o, gate, up and down projections run whole (q/k/v are split per head)
         convs = table[(table.layer == layer) & (table.kind == "convolution")]
-        assert len(convs) >= 4 and convs.sqnr_db.between(20, 120).all(), convs
+        assert len(convs) >= 4 and convs.sqnr_db.between(30, 120).all(), convs
     assert result.left_out["split_per_head"] > 0 and table.kind.str.endswith("+heads").any()
     finite = table[table.drop_db.map(math.isfinite)]
     assert (finite.input_sqnr_db - finite.sqnr_db - finite.drop_db).abs().max() < 1e-9

@@ -377,3 +377,14 @@ def inspector_skipping_unmatched_outputs():
         yield skipped
     finally:
         inspector_utils._combine_aot_overlapped_intermediate_outputs = original
+
+
+def set_inspector_reference_graph(inspector, name: str, exported_program) -> None:
+    """Make `exported_program` the Inspector's reference graph `name` (what calculate_numeric_gap(reference_graph=
+    name) runs on the representative inputs).
+
+    Why: an ETRecord read back from its file has lost the nodes' QNN encodings (`quant_attrs` meta), which the
+    reference graph needs to be made the QDQ program again (benchmarks/diag_htp_ops.py: requantize_activations), and
+    an Inspector cannot be given the in-memory ETRecord instead (its operator-graph builder fails on the
+    in-memory graphs' tuple arguments). Private reach: the Inspector's `_etrecord.graph_map`."""
+    inspector._etrecord.graph_map[name] = exported_program
