@@ -37,3 +37,21 @@ def test_op_by_op_diagnosis_of_the_deployed_program(compose):
     assert result.left_out["split_per_head"] > 0 and table.kind.str.endswith("+heads").any()
     finite = table[table.drop_db.map(math.isfinite)]
     assert (finite.input_sqnr_db - finite.sqnr_db - finite.drop_db).abs().max() < 1e-9
+
+
+def test_per_position_sqnr_is_not_the_massive_position_s():
+    """A position 1000x the others' rms with a small error, the others with 1% errors: the whole tensor's SQNR is the
+    big position's (~60 dB), the per-position median the others' (40 dB)."""
+    from benchmarks.diag_htp_ops import per_position_sqnr_db
+
+    generator = torch.Generator().manual_seed(0)
+    reference = torch.randn(1, 8, 64, generator=generator)  # [batch, tokens, channels]
+    reference[0, 0] *= 1000
+    test = reference + 0.01 * reference.abs().mean(-1, keepdim=True) * torch.randn(1, 8, 64, generator=generator)
+    test[0, 0] = reference[0, 0] * 1.00001
+    whole = 10 * math.log10(reference.pow(2).sum() / (reference - test).pow(2).sum())
+    assert whole > 55
+    assert 35 < per_position_sqnr_db(reference, test, tokens=8) < 45
+    assert per_position_sqnr_db(reference, reference, tokens=8) == math.inf
+    assert per_position_sqnr_db(reference.transpose(1, 2), test.transpose(1, 2), tokens=8) == \
+        per_position_sqnr_db(reference, test, tokens=8)  # the token axis is found wherever it is
