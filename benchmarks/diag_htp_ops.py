@@ -20,6 +20,11 @@ only that name), and in what QNN cannot fuse when every tensor is dumped: the sc
 programs' logits are apart (tiny model: identical; Gemma-3-270M 16a8w: 50.8 dB). Attention runs split per head as
 deployed (MHA2SHA); per-head ops have no whole-tensor counterpart and are left out, and a row whose drop includes
 them says `+heads`. SmolLM2 ~10 min, Gemma-3-270M ~8 min and ~13 GiB on this machine.
+
+Read the reference check line first: it gives how far the reference (the QDQ program computed from the graph after
+QNN's passes) is from the converted QDQ graph at the logits. Where that is no better than HTP's own agreement (Gemma-3
+-270M: 17.8 dB at 16a4w against HTP's 16.2), the program amplifies rounding differences and per-op figures cannot
+single out an HTP op (README, Gemma-3-270m).
 """
 
 from __future__ import annotations
