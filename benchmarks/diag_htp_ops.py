@@ -156,7 +156,7 @@ def module_of(node) -> str:
 
 
 def layer_of(node) -> int | None:
-    """The decoder layer an edge node belongs to, from its module stack or its source stack trace."""
+    """The decoder layer an edge node belongs to, from its module stack (None outside the layers)."""
     for path, _ in (node.meta.get("nn_module_stack") or {}).values():
         found = LAYER.search(path)
         if found:
@@ -211,7 +211,7 @@ def per_position_sqnr_db(reference: torch.Tensor, test: torch.Tensor, tokens: in
     Why per position: SmolLM2's and Gemma's residual streams carry massive activations at the first position (Gemma
     3's ~300x the others' rms), so a whole-tensor SQNR is that position's; a norm then rescales every position to the
     same rms and its whole-tensor SQNR falls by 15-30 dB with no error of its own (Gemma-3-270M's pre-norms alone on
-    HTP are 66-71 dB from their QDQ programs on real inputs)."""
+    HTP are 67-72 dB from their QDQ programs on real inputs: benchmarks/diag_htp_norm.py)."""
     reference, test = reference.double(), test.double()
     axes = [i for i, n in enumerate(reference.shape) if n == tokens]
     if axes:
@@ -345,9 +345,9 @@ def diagnose(cfg) -> OpDiagnosis:
                "dumped_vs_deployed_logits_sqnr_db": logits_agreement(htp_logits, deployed_logits)["logits_sqnr_db"],
                "reference_vs_qdq_program_logits_sqnr_db": logits_agreement(cpu_logits, qdq_logits)["logits_sqnr_db"],
                "min_op_sqnr_db": float(table.sqnr_db[table.sqnr_db.map(math.isfinite)].min()),
-               "lower_s": lower_s, "emulator_run_s": run_s, "tokens": ar}
-    summary["activations_requantized"] = requantized
-    return OpDiagnosis(table, summary, htp_logits, deployed_logits, {"split_per_head": len(split), "multi_output_events": len(skipped)})
+               "lower_s": lower_s, "emulator_run_s": run_s, "tokens": ar, "activations_requantized": requantized}
+    left_out = {"split_per_head": len(split), "multi_output_events": len(skipped)}
+    return OpDiagnosis(table, summary, htp_logits, deployed_logits, left_out)
 
 
 def main() -> None:
@@ -383,8 +383,9 @@ def main() -> None:
           f"graph's")
     shown = ["op", "kind", "module", "input_sqnr_db", "sqnr_db", "drop_db"]
     finite = table[table.drop_db.map(math.isfinite)]
+    largest = finite.nlargest(args.top, "drop_db")[shown].to_string(index=False, float_format="%.1f")
     print(f"\nlargest drops (an op's SQNR below the worst of its compared inputs'; `+heads`: the drop includes the "
-          f"per-head ops before it):\n{finite.nlargest(args.top, 'drop_db')[shown].to_string(index=False, float_format='%.1f')}")
+          f"per-head ops before it):\n{largest}")
     by_layer = table.dropna(subset=["layer"]).groupby("layer").sqnr_db.min()
     print(f"\nworst SQNR per decoder layer (dB):\n{by_layer.to_frame().T.to_string(float_format='%.1f')}")
     by_kind = finite.groupby("kind").drop_db.agg(["count", "median", "max"]).sort_values("max", ascending=False)

@@ -1,0 +1,142 @@
+"""Diagnostic: one RMSNorm (or GELU) of a model, lowered alone, on HTP vs its QDQ program, on the model's real inputs.
+
+The op's inputs are captured in the float static llama (qexp's deploy model: Gemma's `(1 + w)` gains folded) on the
+first evaluation window; half its positions calibrate a one-op 16a8w program (the op's activations at 16 bits, as
+every scheme has them), the other half are compared. Each op is run three ways: as it is, with unit gains (is it the
+gains?), and on Gaussian rows of the same per-position rms (is it the inputs' shape?). Prints HTP vs QDQ SQNR for the
+whole tensor, the first position and the median of the others (`x86_emulator`), and QDQ vs fp32.
+
+    .venv/bin/python benchmarks/diag_htp_norm.py model=gemma3_270m --module layers.8.ffn_norm
+    .venv/bin/python benchmarks/diag_htp_norm.py model=gemma3_270m --gelu      # tanh-GELU on a grid of inputs
+
+QNN's Gelu ignores `approximate` (executorch/backends/qualcomm/builders/op_gelu.py): --gelu says whether HTP's GELU
+is closer to the tanh form the QDQ program computes or to the erf form.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
+    noise = (reference.double() - test.double()).pow(2).mean().item()
+    return math.inf if noise == 0 else 10 * math.log10(reference.double().pow(2).mean().item() / noise)
+
+
+def on_htp(module: torch.nn.Module, calibration: torch.Tensor, test: torch.Tensor, soc):
+    """(HTP's output, the QDQ program's output, fp32 output) of `module` quantized 16a8w on `calibration`."""
+    from executorch.backends.qualcomm.utils.utils import (
+        generate_htp_compiler_spec,
+        generate_qnn_executorch_compiler_spec,
+        to_edge_transform_and_lower_to_qnn,
+    )
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from qexp import upstream
+    from qexp.upstream.private import load_program
+
+    quantizer = upstream.QnnQuantizer(soc_model=soc)
+    quantizer.set_default_quant_config(upstream.QuantDtype.use_16a8w)
+    prepared = prepare_pt2e(torch.export.export(module, (test,), strict=False).module(), quantizer)
+    with torch.no_grad():
+        prepared(calibration)
+        prepared(test)
+    qdq = convert_pt2e(prepared)
+    edge = to_edge_transform_and_lower_to_qnn(qdq, (test,), generate_qnn_executorch_compiler_spec(
+        soc_model=soc, backend_options=generate_htp_compiler_spec(use_fp16=False)))
+    with tempfile.TemporaryDirectory() as tmp:
+        pte = Path(tmp) / "op.pte"
+        pte.write_bytes(edge.to_executorch().buffer)
+        htp = load_program(pte).forward((test,))[0]
+    with torch.no_grad():
+        return htp, qdq(test), module(test)
+
+
+def captured_inputs(cfg, names: list) -> dict:
+    """{name: (its input in the float static llama on the first evaluation window, [1, positions, dim]; the module)}."""
+    from qexp.models.static_llama import window_logits
+    from qexp.pipeline import prepare
+
+    state = prepare(cfg, through="fp")
+    static = state.fp_static
+    captured, hooks = {}, []
+    for name in names:
+        hooks.append(static.module.get_submodule(name).register_forward_hook(
+            lambda _module, args, _out, name=name: captured.setdefault(name, args[0].detach().clone())))
+    with torch.no_grad():
+        window_logits(static.module, static, list(state.windows.ids[0]))
+    for hook in hooks:
+        hook.remove()
+    return {name: (x.reshape(1, -1, x.shape[-1]), static.module.get_submodule(name)) for name, x in captured.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--module", default="layers.8.ffn_norm", help="RMSNorms of the static llama (comma list)")
+    parser.add_argument("--gelu", action="store_true", help="HTP's 16-bit GELU on a grid instead")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+
+    from hydra import compose, initialize_config_dir
+
+    import qexp.config  # noqa: F401
+    from qexp import upstream
+    from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
+    from qexp.cache import Cache
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=16a4w_wikitext", *args.overrides])
+    ensure_qnn_sdk(Cache(cfg.cache_dir))
+    soc = getattr(upstream.QcomChipset, cfg.backend.soc.value)
+
+    if args.gelu:
+        class Gelu(torch.nn.Module):
+            def forward(self, x):
+                return torch.nn.functional.gelu(x, approximate="tanh")
+
+        x = torch.linspace(-8, 8, 4096).reshape(1, 1, 64, 64)
+        htp, qdq, _ = on_htp(Gelu().eval(), x, x, soc)
+        tanh, erf = torch.nn.functional.gelu(x, approximate="tanh"), torch.nn.functional.gelu(x)
+        print(f"tanh-GELU, 16-bit, inputs [-8, 8] (target=x86_emulator): HTP vs QDQ {sqnr_db(qdq, htp):.1f} dB; "
+              f"HTP vs tanh {sqnr_db(tanh, htp):.1f} dB, vs erf {sqnr_db(erf, htp):.1f} dB; max |HTP - QDQ| "
+              f"{(htp - qdq).abs().max():.2e}; max |tanh - erf| {(tanh - erf).abs().max():.2e}")
+        return
+
+    for name, (x, norm) in captured_inputs(cfg, args.module.split(",")).items():
+        report_norm(cfg.model.name, name, x, norm, soc)
+
+
+def report_norm(model_name: str, name: str, x: torch.Tensor, norm, soc) -> None:
+    half = x.shape[1] // 2
+    calibration, test = x[:, half:].contiguous(), x[:, :half].contiguous()  # position 0 (the sink) is compared
+    gain = norm.weight.detach().float()
+    print(f"{model_name} {name} (target=x86_emulator): input absmax {x.abs().max():.1f}, median position "
+          f"rms {x.pow(2).mean(-1).sqrt().median():.2f}, gains [{gain.min():.3f}, {gain.max():.1f}]")
+
+    def rms_like(t):
+        generator = torch.Generator().manual_seed(0)
+        return torch.randn(t.shape, generator=generator) * t.pow(2).mean(-1, keepdim=True).sqrt()
+
+    for label, gains, calib, inputs in [("as it is", gain, calibration, test),
+                                        ("unit gains", torch.ones_like(gain), calibration, test),
+                                        ("Gaussian rows, same rms", gain, rms_like(calibration), rms_like(test))]:
+        module = torch.nn.RMSNorm(gain.numel(), eps=norm.eps).eval()
+        module.weight.data = gains.clone()
+        htp, qdq, fp = on_htp(module, calib, inputs, soc)
+        noise = (htp - qdq).double().pow(2).mean(-1)[0]
+        per_position = 10 * torch.log10(qdq.double().pow(2).mean(-1)[0] / noise.clamp_min(1e-300))
+        print(f"  {label:24s} HTP vs QDQ {sqnr_db(qdq, htp):5.1f} dB (position 0 {per_position[0]:.1f}, median of "
+              f"the others {per_position[1:].median():.1f}); QDQ vs fp32 {sqnr_db(fp, qdq):5.1f} dB")
+
+
+if __name__ == "__main__":
+    main()
