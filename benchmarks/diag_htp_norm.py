@@ -16,7 +16,6 @@ is closer to the tanh form the QDQ program computes or to the erf form.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 from pathlib import Path
@@ -25,11 +24,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-
-
-def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
-    noise = (reference.double() - test.double()).pow(2).mean().item()
-    return math.inf if noise == 0 else 10 * math.log10(reference.double().pow(2).mean().item() / noise)
+from benchmarks.diag_htp_ops import position_sqnrs_db  # noqa: E402
+from qexp.eval.compare import sqnr_db  # noqa: E402
 
 
 def on_htp(module: torch.nn.Module, calibration: torch.Tensor, test: torch.Tensor, soc):
@@ -132,8 +128,7 @@ def report_norm(model_name: str, name: str, x: torch.Tensor, norm, soc) -> None:
         module = torch.nn.RMSNorm(gain.numel(), eps=norm.eps).eval()
         module.weight.data = gains.clone()
         htp, qdq, fp = on_htp(module, calib, inputs, soc)
-        noise = (htp - qdq).double().pow(2).mean(-1)[0]
-        per_position = 10 * torch.log10(qdq.double().pow(2).mean(-1)[0] / noise.clamp_min(1e-300))
+        per_position = position_sqnrs_db(qdq, htp, tokens=qdq.shape[1])
         print(f"  {label:24s} HTP vs QDQ {sqnr_db(qdq, htp):5.1f} dB (position 0 {per_position[0]:.1f}, median of "
               f"the others {per_position[1:].median():.1f}); QDQ vs fp32 {sqnr_db(fp, qdq):5.1f} dB")
 

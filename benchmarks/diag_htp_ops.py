@@ -52,32 +52,24 @@ OP = re.compile(r"aten\.(\w+)\.")
 
 def lower_with_dump(graph: dict, soc: str, w4_as_lpbq: bool):
     """One deploy graph (lower._deploy_graph's dict) -> (.pte bytes, the ETRecord), lowered as the deployed program
-    is (same passes, same 4-bit lowering) but with QNN's intermediate-output dump and one method named `forward`."""
+    is (lower.lower_graphs, the same 4-bit lowering) but with QNN's intermediate-output dump and one method named
+    `forward`."""
     import contextlib
 
     from executorch.backends.qualcomm.utils.utils import (
         generate_htp_compiler_spec,
         generate_qnn_executorch_compiler_spec,
-        to_edge_transform_and_lower_to_qnn,
     )
 
     from qexp import upstream
-    from qexp.upstream.private import (
-        executorch_backend_config,
-        lazy_graph_module_recompile,
-        lower_4bit_per_channel_as_lpbq,
-        qnn_reexport_non_strict,
-    )
+    from qexp.backends.htp.lower import lower_graphs
+    from qexp.upstream.private import executorch_backend_config, lower_4bit_per_channel_as_lpbq
 
     spec = generate_qnn_executorch_compiler_spec(
         soc_model=getattr(upstream.QcomChipset, soc), backend_options=generate_htp_compiler_spec(use_fp16=False),
         shared_buffer=False, use_mha2sha=True, dump_intermediate_outputs=True)
-    w4 = lower_4bit_per_channel_as_lpbq() if w4_as_lpbq else contextlib.nullcontext()
-    with qnn_reexport_non_strict(), lazy_graph_module_recompile(), w4:
-        edge = to_edge_transform_and_lower_to_qnn(
-            module={METHOD: graph["module"]}, inputs={METHOD: graph["inputs"]}, compiler_specs={METHOD: spec},
-            dep_table={METHOD: graph["deps"]}, passes_job={METHOD: graph["passes"]},
-            skip_node_op_set={"llama.fallback.default"}, generate_etrecord=True)
+    with lower_4bit_per_channel_as_lpbq() if w4_as_lpbq else contextlib.nullcontext():
+        edge = lower_graphs({METHOD: {**graph, "spec": spec}}, generate_etrecord=True)
     program = edge.to_executorch(executorch_backend_config())
     return program.buffer, program.get_etrecord()
 
@@ -204,14 +196,9 @@ def op_table(gaps, reference, split: set):
     return pd.DataFrame(rows).sort_values("order").reset_index(drop=True)
 
 
-def per_position_sqnr_db(reference: torch.Tensor, test: torch.Tensor, tokens: int) -> float:
-    """The median over token positions of each position's SQNR (dB) of `test` against `reference`; the token axis is
-    the first of length `tokens` (none: the SQNR of the whole tensor).
-
-    Why per position: SmolLM2's and Gemma's residual streams carry massive activations at the first position (Gemma
-    3's ~300x the others' rms), so a whole-tensor SQNR is that position's; a norm then rescales every position to the
-    same rms and its whole-tensor SQNR falls by 15-30 dB with no error of its own (Gemma-3-270M's pre-norms alone on
-    HTP are 67-72 dB from their QDQ programs on real inputs: benchmarks/diag_htp_norm.py)."""
+def position_sqnrs_db(reference: torch.Tensor, test: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Each token position's SQNR (dB) of `test` against `reference`, over the positions with signal (inf where
+    equal); the token axis is the first of length `tokens` (none: one value, the whole tensor's)."""
     reference, test = reference.double(), test.double()
     axes = [i for i, n in enumerate(reference.shape) if n == tokens]
     if axes:
@@ -221,10 +208,21 @@ def per_position_sqnr_db(reference: torch.Tensor, test: torch.Tensor, tokens: in
         reference, test = reference.reshape(1, -1), test.reshape(1, -1)
     signal, noise = reference.pow(2).sum(1), (reference - test).pow(2).sum(1)
     keep = signal > 0  # a position with nothing in it has no ratio
-    if not keep.any():
-        return math.inf if bool((noise == 0).all()) else -math.inf
-    db = torch.where(noise[keep] == 0, torch.tensor(math.inf, dtype=torch.float64),
-                     10 * torch.log10(signal[keep] / noise[keep].clamp_min(1e-300)))
+    return torch.where(noise[keep] == 0, torch.tensor(math.inf, dtype=torch.float64),
+                       10 * torch.log10(signal[keep] / noise[keep].clamp_min(1e-300)))
+
+
+def per_position_sqnr_db(reference: torch.Tensor, test: torch.Tensor, tokens: int) -> float:
+    """The median over token positions of each position's SQNR (dB) of `test` against `reference`
+    (position_sqnrs_db).
+
+    Why per position: SmolLM2's and Gemma's residual streams carry massive activations at the first position (Gemma
+    3's ~300x the others' rms), so a whole-tensor SQNR is that position's; a norm then rescales every position to the
+    same rms and its whole-tensor SQNR falls by 15-30 dB with no error of its own (Gemma-3-270M's pre-norms alone on
+    HTP are 67-72 dB from their QDQ programs on real inputs: benchmarks/diag_htp_norm.py)."""
+    db = position_sqnrs_db(reference, test, tokens)
+    if db.numel() == 0:  # no position has signal
+        return math.inf if torch.equal(reference.double(), test.double()) else -math.inf
     return float(db.median())
 
 
@@ -257,9 +255,9 @@ def sqnr_comparator(reference, tokens: int):
 def logits_agreement(htp_logits: torch.Tensor, cpu_logits: torch.Tensor) -> dict:
     """SQNR (dB) of `htp_logits` against `cpu_logits` (inf when equal) and the share of positions with the same
     top-1 token."""
-    noise = (htp_logits - cpu_logits).double().pow(2).sum()
-    sqnr = math.inf if noise == 0 else 10 * math.log10(cpu_logits.double().pow(2).sum() / noise)
-    return {"logits_sqnr_db": sqnr,
+    from qexp.eval.compare import sqnr_db
+
+    return {"logits_sqnr_db": sqnr_db(cpu_logits, htp_logits),
             "top1_htp_vs_qdq": (htp_logits.argmax(-1) == cpu_logits.argmax(-1)).float().mean().item()}
 
 

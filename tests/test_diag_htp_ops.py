@@ -20,7 +20,7 @@ def test_op_by_op_diagnosis_of_the_deployed_program(compose):
     result = diagnose(cfg)
     table, summary = result.table, result.summary
     # on this model the dump, one method named `forward` and one context change nothing the device computes (on
-    # SmolLM2 they do, a little: QNN fuses ops it need not dump; the script prints both programs' agreement)
+    # Gemma-3-270M at 16a8w they do, a little: QNN fuses ops it need not dump; the script prints both programs')
     assert torch.equal(result.htp_logits, result.deployed_logits)
     assert summary["dumped_vs_deployed_logits_sqnr_db"] == math.inf
 

@@ -347,9 +347,10 @@ def shard_graph(passes: dict, deps: dict, n_layers: int, shares: int) -> None:
     deps[TagQuantIO] = [split_graph]
 
 
-def lower_graphs(graphs: dict, constant_methods=None):
+def lower_graphs(graphs: dict, constant_methods=None, generate_etrecord: bool = False):
     """Deploy graphs (_deploy_graph's dicts, by method name) -> the HTP-delegated EdgeProgramManager, by upstream's
-    one lowering call (one QNN context for all of them)."""
+    one lowering call (one QNN context for all of them); with `generate_etrecord`, the manager keeps the ETRecord
+    ExecuTorch's Inspector reads (benchmarks/diag_htp_ops.py)."""
     from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
 
     # the same graph, traced without dynamo (~120 s of a SmolLM2 graph's ~300 s), its Python source generated only
@@ -360,6 +361,7 @@ def lower_graphs(graphs: dict, constant_methods=None):
             compiler_specs={n: g["spec"] for n, g in graphs.items()}, constant_methods=constant_methods,
             dep_table={n: g["deps"] for n, g in graphs.items()},
             passes_job={n: g["passes"] for n, g in graphs.items()}, skip_node_op_set={"llama.fallback.default"},
+            generate_etrecord=generate_etrecord,
         )
 
 
