@@ -1,0 +1,72 @@
+"""benchmarks/diag_qdq_perturb.py: its perturbed quantization is the QDQ program's when it rounds to nearest, is
+seeded, leaves copies and inputs exact; on the tiny model the whole diagnosis runs (CPU)."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO, TINY
+
+sys.path.insert(0, str(REPO))
+
+
+def _quantize(x, rounding, sigma=0.0, seed=0):
+    from benchmarks.diag_qdq_perturb import Perturbation, _Active, perturbed_fake_quantize
+
+    _Active.perturbation = Perturbation(rounding, sigma, seed)
+    _Active.generator = torch.Generator().manual_seed(seed)
+    try:
+        return perturbed_fake_quantize(x.clone(), 0.01, 32768, 0, 65535, "test")
+    finally:
+        _Active.perturbation, _Active.generator = Perturbation(), None
+
+
+def test_perturbed_rounding_against_its_definition():
+    from qexp.quant.fold import fake_quantize
+
+    x = torch.randn(64, 32) * 3
+    assert torch.equal(_quantize(x, "round"), fake_quantize(x.clone(), 0.01, 32768, 0, 65535))  # bit for bit
+    lsb = torch.tensor(0.01, dtype=torch.float32)
+    floor, ceil = _quantize(x, "floor"), _quantize(x, "ceil")
+    assert torch.equal(floor, torch.floor(x * (1.0 / 0.01)) * lsb)
+    assert torch.equal(ceil, torch.ceil(x * (1.0 / 0.01)) * lsb)
+    steps = ((_quantize(x, "gauss", 1.0) - fake_quantize(x.clone(), 0.01, 32768, 0, 65535)) / 0.01).round()
+    # N(0, 1) LSB before rounding: about half the values move, by whole steps, both ways, unbiased
+    assert 0.4 < (steps != 0).float().mean() < 0.8 and steps.min() < 0 < steps.max() and abs(steps.mean()) < 0.1
+    assert torch.equal(_quantize(x, "gauss", 1.0, seed=4), _quantize(x, "gauss", 1.0, seed=4))
+    assert not torch.equal(_quantize(x, "gauss", 1.0, seed=4), _quantize(x, "gauss", 1.0, seed=5))
+
+
+def test_variants_parse_and_bad_ones_are_refused():
+    from benchmarks.diag_qdq_perturb import Perturbation, parse_variants
+
+    variants = parse_variants("round, gauss:0.5,floor", seeds=2)
+    assert [v.label for v in variants] == ["round", "gauss:0.5 seed 0", "gauss:0.5 seed 1", "floor"]
+    with pytest.raises(SystemExit, match="gauss:0.5"):
+        parse_variants("gauss:half", seeds=1)
+    with pytest.raises(ValueError, match="unknown rounding"):
+        parse_variants("stochastic", seeds=1)
+    with pytest.raises(ValueError, match="positive sigma"):
+        Perturbation("gauss", 0.0)
+
+
+def test_perturbation_diagnosis_on_the_tiny_model(compose):
+    from benchmarks.diag_qdq_perturb import diagnose, parse_variants
+
+    cfg = compose(TINY + ["quant=16a4w", "backend=none", "eval.limit=4"])
+    table = diagnose(cfg, parse_variants("round,gauss:1,floor", seeds=2)).set_index("variant")
+    meta = table.attrs
+    # rounding to nearest is the QDQ program itself
+    assert table.loc["round", "ppl"] == meta["ppl_qdq"] and table.loc["round", "logits_sqnr_db"] == math.inf
+    # only computed activations are perturbed: every layer's norms, projections, products are; copies and inputs not
+    assert meta["activations"] > 30 and meta["activations_exact"] > 30 and meta["windows"] == 4
+    for variant in ("gauss:1 seed 0", "gauss:1 seed 1", "floor"):
+        row = table.loc[variant]
+        assert row.ppl != meta["ppl_qdq"] and 35 < row.logits_sqnr_db < 70, row
+        assert 65 < row.op_sqnr_db_median < 95 and 65 < row.norm_sqnr_db_median < 95, row
+        assert row.ci_low_pct <= row.delta_pct <= row.ci_high_pct
+    assert table.loc["gauss:1 seed 0", "ppl"] != table.loc["gauss:1 seed 1", "ppl"]
