@@ -119,10 +119,14 @@ def _op_name(node) -> str:
     return target._opname if hasattr(target, "_opname") else getattr(target, "__name__", str(target))
 
 
-def perturbable(module: torch.fx.GraphModule) -> tuple[int, int]:
+def perturbable(module: torch.fx.GraphModule, only: str | None = None) -> tuple[int, int]:
     """Retarget, in place, the fake_quantize of every computed activation of a folded QDQ program
-    (qexp.quant.fold.with_weights_dequantized) to perturbed_fake_quantize, naming where it sits (the innermost module
-    and the op it quantizes). Returns (perturbed, left exact: inputs and EXACT_OPS)."""
+    (qexp.quant.fold.with_weights_dequantized) to perturbed_fake_quantize, naming where it sits (`<innermost
+    module>:<op>`, e.g. `layers.3.ffn_norm:rms_norm`); with `only` (a regular expression), just those whose name it
+    matches. Returns (perturbed, left exact: inputs, EXACT_OPS and the ones `only` leaves out)."""
+    import re
+
+    wanted = re.compile(only) if only else None
     perturbed = exact = 0
     for node in module.graph.nodes:
         if node.op != "call_function" or node.target is not fake_quantize:
@@ -133,6 +137,9 @@ def perturbable(module: torch.fx.GraphModule) -> tuple[int, int]:
             continue
         stack = producer.meta.get("nn_module_stack") or {}
         where = f"{next(reversed(stack.values()))[0] if stack else ''}:{_op_name(producer)}"
+        if wanted is not None and not wanted.search(where):
+            exact += 1
+            continue
         node.target = perturbed_fake_quantize
         node.args = (*node.args, where)
         perturbed += 1
@@ -175,7 +182,7 @@ def op_sizes(record: list) -> dict:
             "ops_perturbed": len(record)}
 
 
-def diagnose(cfg, variants: list[Perturbation]):
+def diagnose(cfg, variants: list[Perturbation], only: str | None = None):
     """A DataFrame, one row per variant: ppl, Δ vs the unperturbed program [95% interval], top-1, logits SQNR, the
     perturbation's per-op size; and the unperturbed result."""
     import pandas as pd
@@ -190,7 +197,9 @@ def diagnose(cfg, variants: list[Perturbation]):
         raise SystemExit("the configured run has no QDQ phase (quant=fp?): nothing to perturb")
     reference = state.qdq.result
     folded = with_weights_dequantized(state.qdq.program.module)
-    perturbed, exact = perturbable(folded)
+    perturbed, exact = perturbable(folded, only)
+    if not perturbed:
+        raise SystemExit(f"--only {only!r} matches no computed activation (names look like layers.3.ffn_norm:rms_norm)")
     rows = []
     for perturbation in variants:
         result, record = evaluate_perturbed(folded, state.qdq.static, state.windows, perturbation, SQNR_WINDOWS)
@@ -216,6 +225,8 @@ def main() -> None:
     parser.add_argument("--variants", default="round,gauss:0.5,gauss:1,floor,ceil",
                         help="comma list of round, gauss:SIGMA (LSB), floor, ceil")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per gauss variant")
+    parser.add_argument("--only", help="perturb only the activations whose `<module>:<op>` name this regular "
+                        "expression matches (e.g. 'norm:' for the norms' outputs)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     variants = parse_variants(args.variants, args.seeds)  # a bad list fails before the model loads
@@ -229,12 +240,13 @@ def main() -> None:
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+experiment=16a4w_wikitext", *args.overrides, "backend=none"])
-    table = diagnose(cfg, variants)
+    table = diagnose(cfg, variants, args.only)
     meta = table.attrs
     pd.set_option("display.width", 200)
+    matching = f" matching {args.only!r}" if args.only else ""
     print(f"\n{cfg.model.name} {cfg.quant.scheme}: the QDQ program (ppl {meta['ppl_qdq']:.3f}) with its "
-          f"{meta['activations']} computed activations rounded otherwise ({meta['activations_exact']} inputs and "
-          f"copies left exact), CPU; {meta['windows']} windows x "
+          f"{meta['activations']} computed activations{matching} rounded otherwise ({meta['activations_exact']} "
+          f"left exact), CPU; {meta['windows']} windows x "
           f"{meta['window_len']} tokens of {meta['text']} ({meta['tokens']} predicted)")
     shown = ["variant", "ppl", "delta_pct", "ci_low_pct", "ci_high_pct", "top1", "logits_sqnr_db",
              "op_sqnr_db_median", "norm_sqnr_db_median"]
@@ -245,7 +257,7 @@ def main() -> None:
 
     with benchmark_run(resolve_uri(cfg.tracking), f"diag_qdq_perturb-{cfg.model.name}-{cfg.quant.scheme}",
                        "diag_qdq_perturb", {"target": "cpu", "model": cfg.model.name, "scheme": cfg.quant.scheme,
-                                            "text": meta["text"]}):
+                                            "text": meta["text"], "only": args.only or "all"}):
         mlflow.log_metrics({"ppl_qdq": meta["ppl_qdq"], "tokens": meta["tokens"], "windows": meta["windows"],
                             "window_len": meta["window_len"], "activations": meta["activations"],
                             "activations_exact": meta["activations_exact"]})

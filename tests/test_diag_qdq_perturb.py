@@ -70,3 +70,13 @@ def test_perturbation_diagnosis_on_the_tiny_model(compose):
         assert 65 < row.op_sqnr_db_median < 95 and 65 < row.norm_sqnr_db_median < 95, row
         assert row.ci_low_pct <= row.delta_pct <= row.ci_high_pct
     assert table.loc["gauss:1 seed 0", "ppl"] != table.loc["gauss:1 seed 1", "ppl"]
+
+    # --only: just the norms' outputs (two per layer and the final norm), the rest left exact
+    norms = diagnose(cfg, parse_variants("gauss:1", seeds=1), only="norm:rms_norm")
+    assert norms.attrs["activations"] == 2 * 2 + 1
+    assert norms.attrs["activations"] + norms.attrs["activations_exact"] == meta["activations"] + meta[
+        "activations_exact"]
+    fewer = norms.iloc[0]  # fewer ops perturbed: the logits move less
+    assert fewer.ppl != meta["ppl_qdq"] and fewer.logits_sqnr_db > table.loc["gauss:1 seed 0"].logits_sqnr_db
+    with pytest.raises(SystemExit, match="matches no computed activation"):
+        diagnose(cfg, parse_variants("gauss:1", seeds=1), only="no_such_module")
