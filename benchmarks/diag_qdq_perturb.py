@@ -216,8 +216,50 @@ def diagnose(cfg, variants: list[Perturbation], only: str | None = None):
     table = pd.DataFrame(rows)
     table.attrs.update({"activations": perturbed, "activations_exact": exact, "ppl_qdq": reference.metrics()["ppl"],
                         "tokens": int(reference.logprobs.size), "windows": int(reference.logprobs.shape[0]),
-                        "text": str(cfg.text.name), "window_len": int(cfg.eval.seq_len)})
+                        "text": str(cfg.text.name), "window_len": int(cfg.eval.seq_len),
+                        "text_sha256": state.tags.get("text_sha256")})
     return table
+
+
+def noise_cost_at(table, top1: float) -> float | None:
+    """The Δ perplexity (%) unbiased rounding noise costs this program at a top-1 agreement of `top1` with it: linear
+    interpolation between the gauss rows' per-sigma means (and the program itself, agreement 1 at 0%); None outside
+    the measured range."""
+    gauss = table[table.rounding == "gauss"].groupby("sigma_lsb")[["top1", "delta_pct"]].mean()
+    agreement, cost = zip(*sorted([(1.0, 0.0), *zip(gauss.top1, gauss.delta_pct)]))
+    if not agreement[0] <= top1 <= agreement[-1]:
+        return None
+    return float(np.interp(top1, agreement, cost))
+
+
+def fetch_run(store: str, run_id: str):
+    from mlflow.tracking import MlflowClient
+
+    try:
+        return MlflowClient(store).get_run(run_id)
+    except Exception as error:  # noqa: BLE001 - MLflow raises its own exception types for a missing run
+        raise SystemExit(f"--deployed-run {run_id}: not found in {store} ({type(error).__name__})") from None
+
+
+def deployed_figures(run, cfg, meta: dict | None = None) -> dict:
+    """A deployed run's Δ vs its QDQ program and top-1 agreement; refused unless it is the same model and scheme
+    (before the diagnosis) on the same text and windows (`meta`, after it), else the comparison means nothing."""
+    metrics, params, tags = run.data.metrics, run.data.params, run.data.tags
+    checks = [("model", params.get("model.name"), str(cfg.model.name)),
+              ("scheme", tags.get("scheme"), str(cfg.quant.scheme))]
+    if meta is not None:
+        checks += [("text", tags.get("text_sha256"), meta["text_sha256"]),
+                   ("windows", metrics.get("deployed_eval_windows"), float(meta["windows"]))]
+    mismatches = [f"{what} {theirs!r} (here {ours!r})" for what, theirs, ours in checks if theirs != ours]
+    if "ppl_deployed_vs_qdq" not in metrics:
+        mismatches.append("no deployed-vs-QDQ comparison")
+    if mismatches:
+        raise SystemExit(f"--deployed-run {run.info.run_id}: not comparable with this diagnosis: "
+                         f"{'; '.join(mismatches)}")
+    return {"target": tags.get("target", "?"), "delta_pct": 100 * metrics["ppl_deployed_vs_qdq"],
+            "ci_low_pct": 100 * metrics.get("ppl_deployed_vs_qdq_ci_low", math.nan),
+            "ci_high_pct": 100 * metrics.get("ppl_deployed_vs_qdq_ci_high", math.nan),
+            "top1": metrics["top1_agreement_deployed_vs_qdq"]}
 
 
 def main() -> None:
@@ -227,6 +269,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per gauss variant")
     parser.add_argument("--only", help="perturb only the activations whose `<module>:<op>` name this regular "
                         "expression matches (e.g. 'norm:' for the norms' outputs)")
+    parser.add_argument("--deployed-run", help="an MLflow run id of the same config with a deployed phase (HTP) on "
+                        "the same windows: print what unbiased noise of its top-1 agreement costs this program")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     variants = parse_variants(args.variants, args.seeds)  # a bad list fails before the model loads
@@ -240,6 +284,10 @@ def main() -> None:
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+experiment=16a4w_wikitext", *args.overrides, "backend=none"])
+    store = resolve_uri(cfg.tracking)
+    deployed_run = fetch_run(store, args.deployed_run) if args.deployed_run else None
+    if deployed_run is not None:
+        deployed_figures(deployed_run, cfg)  # the wrong model or scheme fails before the heavy work
     table = diagnose(cfg, variants, args.only)
     meta = table.attrs
     pd.set_option("display.width", 200)
@@ -255,12 +303,23 @@ def main() -> None:
     if len(gauss):
         print(f"\nΔ ppl (%) over seeds per gauss sigma (LSB):\n{gauss.to_string(float_format='%.2f')}")
 
-    with benchmark_run(resolve_uri(cfg.tracking), f"diag_qdq_perturb-{cfg.model.name}-{cfg.quant.scheme}",
+    deployed = None
+    if deployed_run is not None:
+        deployed = deployed_figures(deployed_run, cfg, meta)
+        cost = noise_cost_at(table, deployed["top1"])
+        at = "outside the agreements the gauss rows reached" if cost is None else f"{cost:+.2f}%"
+        print(f"\ndeployed run {args.deployed_run} ({deployed['target']}): {deployed['delta_pct']:+.2f}% "
+              f"[{deployed['ci_low_pct']:+.2f}, {deployed['ci_high_pct']:+.2f}] vs this QDQ program at top-1 agreement "
+              f"{deployed['top1']:.3f}; unbiased rounding noise of that agreement costs it {at} (interpolated "
+              f"between the gauss rows' means)")
+        deployed["noise_cost_pct"] = math.nan if cost is None else cost
+    with benchmark_run(store, f"diag_qdq_perturb-{cfg.model.name}-{cfg.quant.scheme}",
                        "diag_qdq_perturb", {"target": "cpu", "model": cfg.model.name, "scheme": cfg.quant.scheme,
                                             "text": meta["text"], "only": args.only or "all"}):
         mlflow.log_metrics({"ppl_qdq": meta["ppl_qdq"], "tokens": meta["tokens"], "windows": meta["windows"],
                             "window_len": meta["window_len"], "activations": meta["activations"],
-                            "activations_exact": meta["activations_exact"]})
+                            "activations_exact": meta["activations_exact"],
+                            **({f"deployed_{k}": v for k, v in deployed.items() if k != "target"} if deployed else {})})
         mlflow.log_text(table.to_csv(index=False), "diag_qdq_perturb.csv")
 
 

@@ -80,3 +80,42 @@ def test_perturbation_diagnosis_on_the_tiny_model(compose):
     assert fewer.ppl != meta["ppl_qdq"] and fewer.logits_sqnr_db > table.loc["gauss:1 seed 0"].logits_sqnr_db
     with pytest.raises(SystemExit, match="matches no computed activation"):
         diagnose(cfg, parse_variants("gauss:1", seeds=1), only="no_such_module")
+
+
+def test_noise_cost_interpolates_between_the_noise_levels():
+    import pandas as pd
+
+    from benchmarks.diag_qdq_perturb import noise_cost_at
+
+    table = pd.DataFrame({"rounding": ["round", "gauss", "gauss", "gauss", "floor"],
+                          "sigma_lsb": [0, 0.5, 0.5, 1.0, 0], "top1": [1.0, 0.82, 0.78, 0.7, 0.3],
+                          "delta_pct": [0.0, 4.0, 6.0, 25.0, 900.0]})
+    assert noise_cost_at(table, 0.75) == pytest.approx(15.0)  # halfway between sigma 0.5 (0.80, 5%) and 1 (0.70, 25%)
+    assert noise_cost_at(table, 0.9) == pytest.approx(2.5)  # between the program itself (1.0, 0%) and sigma 0.5
+    assert noise_cost_at(table, 0.6) is None  # beyond the noisiest level: not extrapolated; floor/ceil not used
+
+
+def test_deployed_run_must_match_model_scheme_text_and_windows(compose, store_uri):
+    import mlflow
+
+    from benchmarks.diag_qdq_perturb import deployed_figures, fetch_run
+
+    mlflow.set_tracking_uri(store_uri)
+    mlflow.set_experiment("tests")
+    with mlflow.start_run() as run:
+        mlflow.log_params({"model.name": "tiny"})
+        mlflow.set_tags({"scheme": "16a4w", "text_sha256": "abc", "target": "x86_emulator"})
+        mlflow.log_metrics({"ppl_deployed_vs_qdq": 0.151, "ppl_deployed_vs_qdq_ci_low": 0.13,
+                            "ppl_deployed_vs_qdq_ci_high": 0.176, "top1_agreement_deployed_vs_qdq": 0.75,
+                            "deployed_eval_windows": 8})
+    cfg = compose(TINY + ["quant=16a4w"], tracked=False)
+    found = fetch_run(store_uri, run.info.run_id)
+    meta = {"text_sha256": "abc", "windows": 8}
+    figures = deployed_figures(found, cfg, meta)
+    assert figures["delta_pct"] == pytest.approx(15.1) and figures["top1"] == 0.75
+    with pytest.raises(SystemExit, match="windows 8.0 \\(here 4.0\\)"):
+        deployed_figures(found, cfg, {**meta, "windows": 4})
+    with pytest.raises(SystemExit, match="scheme '16a4w' \\(here '16a8w'\\)"):
+        deployed_figures(found, compose(TINY + ["quant=16a8w"], tracked=False))
+    with pytest.raises(SystemExit, match="not found"):
+        fetch_run(store_uri, "0" * 32)
