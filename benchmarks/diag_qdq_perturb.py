@@ -2,8 +2,9 @@
 
 A deployed program (HTP) is another implementation of the QDQ program: its ops round differently. When its perplexity
 departs from the QDQ program's, is that the program amplifying *any* implementation's rounding differences, or a
-directional error of the device? This runs the QDQ program on the CPU with every activation's quantization perturbed
-(each `fake_quantize` of the folded program, qexp.quant.fold, rounds x/s + e instead of x/s), on the run's evaluation
+directional error of the device? This runs the QDQ program on the CPU with every computed activation's quantization
+perturbed (each `fake_quantize` of the folded program, qexp.quant.fold, rounds x/s + e instead of x/s; the program's
+inputs and ops that only copy values, EXACT_OPS, stay exact: a device rounds nothing there), on the run's evaluation
 windows, and compares it with the unperturbed program on the same windows:
 
 - `gauss:SIGMA`: e ~ N(0, SIGMA^2) LSB, fresh for every element of every forward, seeded: unbiased, as an
@@ -16,8 +17,15 @@ window: the median over the program's activations (and over its norms' outputs) 
 its unperturbed output on the same input (per-position SQNR, as benchmarks/diag_htp_norm.py reports HTP's departure
 from a norm's QDQ program, so the two compare).
 
+`--only REGEX` perturbs just the activations whose `<module>:<op>` name matches (e.g. `norm:rms_norm`, the norms'
+outputs). `--deployed-run RUN_ID` (a run of the same model, scheme, text and windows with a deployed phase) places
+the device on the noise rows: what unbiased noise of the device's top-1 agreement with the QDQ program costs this
+program, interpolated, next to what the device costs it. Equal: the device's departure behaves as unbiased rounding
+noise the program amplifies; far above: it has a direction; below: it departs where the program does not care.
+
     .venv/bin/python benchmarks/diag_qdq_perturb.py model=gemma3_270m quant=16a4w quant.block_size=64
     .venv/bin/python benchmarks/diag_qdq_perturb.py --variants gauss:0.5,floor --seeds 3 quant=16a8w
+    .venv/bin/python benchmarks/diag_qdq_perturb.py --only 'norm(_fn)?:rms_norm' --variants gauss:1 model=gemma3_270m
 
 Everything is CPU; the figures are logged to MLflow (experiment `benchmarks`, CSV artifact).
 """
