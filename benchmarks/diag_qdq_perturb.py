@@ -257,7 +257,9 @@ def deployed_figures(run, cfg, meta: dict | None = None) -> dict:
               ("scheme", tags.get("scheme"), str(cfg.quant.scheme))]
     if meta is not None:
         checks += [("text", tags.get("text_sha256"), meta["text_sha256"]),
-                   ("windows", metrics.get("deployed_eval_windows"), float(meta["windows"]))]
+                   ("windows", metrics.get("deployed_eval_windows"), float(meta["windows"])),
+                   # the same QDQ program: its perplexity on those windows, to the last digit MLflow keeps
+                   ("QDQ perplexity", round(metrics.get("ppl_qdq", math.nan), 6), round(meta["ppl_qdq"], 6))]
     mismatches = [f"{what} {theirs!r} (here {ours!r})" for what, theirs, ours in checks if theirs != ours]
     if "ppl_deployed_vs_qdq" not in metrics:
         mismatches.append("no deployed-vs-QDQ comparison")

@@ -107,14 +107,16 @@ def test_deployed_run_must_match_model_scheme_text_and_windows(compose, store_ur
         mlflow.set_tags({"scheme": "16a4w", "text_sha256": "abc", "target": "x86_emulator"})
         mlflow.log_metrics({"ppl_deployed_vs_qdq": 0.151, "ppl_deployed_vs_qdq_ci_low": 0.13,
                             "ppl_deployed_vs_qdq_ci_high": 0.176, "top1_agreement_deployed_vs_qdq": 0.75,
-                            "deployed_eval_windows": 8})
+                            "deployed_eval_windows": 8, "ppl_qdq": 99.178074})
     cfg = compose(TINY + ["quant=16a4w"], tracked=False)
     found = fetch_run(store_uri, run.info.run_id)
-    meta = {"text_sha256": "abc", "windows": 8}
+    meta = {"text_sha256": "abc", "windows": 8, "ppl_qdq": 99.1780742}
     figures = deployed_figures(found, cfg, meta)
     assert figures["delta_pct"] == pytest.approx(15.1) and figures["top1"] == 0.75
     with pytest.raises(SystemExit, match="windows 8.0 \\(here 4.0\\)"):
         deployed_figures(found, cfg, {**meta, "windows": 4})
+    with pytest.raises(SystemExit, match="QDQ perplexity 99.178074 \\(here 45.01\\)"):  # another QDQ program
+        deployed_figures(found, cfg, {**meta, "ppl_qdq": 45.01})
     with pytest.raises(SystemExit, match="scheme '16a4w' \\(here '16a8w'\\)"):
         deployed_figures(found, compose(TINY + ["quant=16a8w"], tracked=False))
     with pytest.raises(SystemExit, match="not found"):
