@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,8 +133,6 @@ def perturbable(module: torch.fx.GraphModule, only: str | None = None) -> tuple[
     (qexp.quant.fold.with_weights_dequantized) to perturbed_fake_quantize, naming where it sits (`<innermost
     module>:<op>`, e.g. `layers.3.ffn_norm:rms_norm`); with `only` (a regular expression), just those whose name it
     matches. Returns (perturbed, left exact: inputs, EXACT_OPS and the ones `only` leaves out)."""
-    import re
-
     wanted = re.compile(only) if only else None
     perturbed = exact = 0
     for node in module.graph.nodes:
@@ -192,7 +191,7 @@ def op_sizes(record: list) -> dict:
 
 def diagnose(cfg, variants: list[Perturbation], only: str | None = None):
     """A DataFrame, one row per variant: ppl, Δ vs the unperturbed program [95% interval], top-1, logits SQNR, the
-    perturbation's per-op size; and the unperturbed result."""
+    perturbation's per-op size; the unperturbed program's perplexity, the text and windows in its `attrs`."""
     import pandas as pd
 
     from qexp.eval.compare import compare
