@@ -1,5 +1,6 @@
 """benchmarks/diag_qdq_perturb.py: its perturbed quantization is the QDQ program's when it rounds to nearest, is
-seeded, leaves copies and inputs exact; on the tiny model the whole diagnosis runs (CPU)."""
+seeded, leaves copies and inputs exact; on the tiny model the whole diagnosis runs (CPU); a deployed run is placed
+on the noise rows only when it is the same program on the same windows."""
 
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def test_noise_cost_interpolates_between_the_noise_levels():
     assert noise_cost_at(table, 0.6) is None  # beyond the noisiest level: not extrapolated; floor/ceil not used
 
 
-def test_deployed_run_must_match_model_scheme_text_and_windows(compose, store_uri):
+def test_deployed_run_must_be_the_same_model_scheme_windows_and_qdq_program(compose, store_uri):
     import mlflow
 
     from benchmarks.diag_qdq_perturb import deployed_figures, fetch_run
