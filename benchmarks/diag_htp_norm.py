@@ -24,8 +24,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from benchmarks.diag_htp_ops import position_sqnrs_db  # noqa: E402
-from qexp.eval.compare import sqnr_db  # noqa: E402
+from qexp.eval.compare import position_sqnrs_db, sqnr_db  # noqa: E402
 
 
 def on_htp(module: torch.nn.Module, calibration: torch.Tensor, test: torch.Tensor, soc):

@@ -4,12 +4,12 @@ One prefill (AR-N) graph of a config's QDQ program is lowered with QNN's interme
 (`dump_intermediate_outputs`), run on the emulator on the first N tokens of the first evaluation window (an empty
 KV cache), and every op's output is compared with the same op of the CPU QDQ program by ExecuTorch's QNN debugger
 (Inspector.calculate_numeric_gap with a QcomSQNRComparator scoring the dequantized HTP tensor against the CPU one by
-the median over token positions of each position's SQNR in dB: per_position_sqnr_db says why not the whole
-tensor's). The reference is the edge graph the lowering started from with its activations quantized again (QNN's
-passes fold them into encodings, which would leave float activations: requantize_activations). An op's SQNR is
-cumulative (each side computes from its own inputs), so the table also gives each op's *drop*: how far its SQNR falls
-below the worst SQNR of the compared ops it reads (negative when the op hides its inputs' differences, as a norm or a
-sigmoid can). Prints the largest drops, the worst SQNR per decoder layer and per kind of op, and the logits'
+the median over token positions of each position's SQNR in dB: qexp.eval.compare.per_position_sqnr_db says why
+not the whole tensor's). The reference is the edge graph the lowering started from with its activations quantized
+again (QNN's passes fold them into encodings, which would leave float activations: requantize_activations). An op's
+SQNR is cumulative (each side computes from its own inputs), so the table also gives each op's *drop*: how far its
+SQNR falls below the worst SQNR of the compared ops it reads (negative when the op hides its inputs' differences, as
+a norm or a sigmoid can). Prints the largest drops, the worst SQNR per decoder layer and per kind of op, and the logits'
 agreement (also the deployed program's, on the same tokens); the whole table goes to MLflow (experiment
 `benchmarks`) as a CSV artifact. Emulator figures: `x86_emulator`.
 
@@ -43,6 +43,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.common import benchmark_run  # noqa: E402
+from qexp.eval.compare import per_position_sqnr_db  # noqa: E402
 
 METHOD = "forward"  # the only method name ExecuTorch's Inspector reads (its debug-handle map is keyed by it)
 REFERENCE_GRAPH = f"edge_after_transform/{METHOD}"  # the QDQ edge graph before partitioning (etrecord graph_map)
@@ -194,36 +195,6 @@ def op_table(gaps, reference, split: set):
                      "drop_db": (before - value) if math.isfinite(before) else (math.inf if math.isfinite(value)
                                                                                    else 0.0)})
     return pd.DataFrame(rows).sort_values("order").reset_index(drop=True)
-
-
-def position_sqnrs_db(reference: torch.Tensor, test: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Each token position's SQNR (dB) of `test` against `reference`, over the positions with signal (inf where
-    equal); the token axis is the first of length `tokens` (none: one value, the whole tensor's)."""
-    reference, test = reference.double(), test.double()
-    axes = [i for i, n in enumerate(reference.shape) if n == tokens]
-    if axes:
-        reference = reference.movedim(axes[0], 0).reshape(tokens, -1)
-        test = test.movedim(axes[0], 0).reshape(tokens, -1)
-    else:
-        reference, test = reference.reshape(1, -1), test.reshape(1, -1)
-    signal, noise = reference.pow(2).sum(1), (reference - test).pow(2).sum(1)
-    keep = signal > 0  # a position with nothing in it has no ratio
-    return torch.where(noise[keep] == 0, torch.tensor(math.inf, dtype=torch.float64),
-                       10 * torch.log10(signal[keep] / noise[keep].clamp_min(1e-300)))
-
-
-def per_position_sqnr_db(reference: torch.Tensor, test: torch.Tensor, tokens: int) -> float:
-    """The median over token positions of each position's SQNR (dB) of `test` against `reference`
-    (position_sqnrs_db).
-
-    Why per position: SmolLM2's and Gemma's residual streams carry massive activations at the first position (Gemma
-    3's ~300x the others' rms), so a whole-tensor SQNR is that position's; a norm then rescales every position to the
-    same rms and its whole-tensor SQNR falls by 15-30 dB with no error of its own (Gemma-3-270M's pre-norms alone on
-    HTP are 67-72 dB from their QDQ programs on real inputs: benchmarks/diag_htp_norm.py)."""
-    db = position_sqnrs_db(reference, test, tokens)
-    if db.numel() == 0:  # no position has signal
-        return math.inf if torch.equal(reference.double(), test.double()) else -math.inf
-    return float(db.median())
 
 
 def sqnr_comparator(reference, tokens: int):

@@ -45,7 +45,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.common import benchmark_run  # noqa: E402
-from benchmarks.diag_htp_ops import per_position_sqnr_db  # noqa: E402
+from qexp.eval.compare import per_position_sqnr_db  # noqa: E402
 from qexp.quant.fold import fake_quantize  # noqa: E402
 
 ROUNDINGS = ("round", "gauss", "floor", "ceil")
