@@ -75,9 +75,9 @@ def lower_with_dump(graph: dict, soc: str, w4_as_lpbq: bool):
     return program.buffer, program.get_etrecord()
 
 
-def requantize_activations(reference) -> int:
-    """Put the activation quantization back into the reference graph, in place; returns how many tensors it
-    quantizes.
+def requantize_activations(reference) -> dict:
+    """Put the activation quantization back into the reference graph, in place; returns {op name: (the name of the
+    dequantize node its users now read, its scale)}, one entry per tensor it quantizes.
 
     ExecuTorch's QNN passes fold every activation's quantize/dequantize pair into the producing node's encoding
     (FoldQDQ, `quant_attrs` in its meta) before the graph the Inspector runs as its reference, so that graph computes
@@ -88,7 +88,7 @@ def requantize_activations(reference) -> int:
     from executorch.backends.qualcomm.utils.constants import QCOM_QUANT_ATTRS
 
     ops = torch.ops.quantized_decomposed
-    graph, count = reference.graph_module.graph, 0
+    graph, requantized = reference.graph_module.graph, {}
     for node in list(graph.nodes):
         attrs = node.meta.get(QCOM_QUANT_ATTRS)
         value = node.meta.get("val")
@@ -101,9 +101,9 @@ def requantize_activations(reference) -> int:
         with graph.inserting_after(quantized):
             dequantized = graph.call_function(ops.dequantize_per_tensor.default, (quantized, *args))
         node.replace_all_uses_with(dequantized, delete_user_cb=lambda user: user is not quantized)
-        count += 1
+        requantized[node.name] = (dequantized.name, float(attrs["scale"]))
     reference.graph_module.recompile()
-    return count
+    return requantized
 
 
 def first_chunk_inputs(ids, example_inputs: tuple, encodings: dict, context: int, sliding_window):
@@ -195,6 +195,75 @@ def op_table(gaps, reference, split: set):
                      "drop_db": (before - value) if math.isfinite(before) else (math.inf if math.isfinite(value)
                                                                                    else 0.0)})
     return pd.DataFrame(rows).sort_values("order").reset_index(drop=True)
+
+
+def htp_outputs(gaps, reference) -> dict:
+    """{reference op name: HTP's output of it, dequantized, in PyTorch layout} from the Inspector's rows (one row per
+    compared debug handle; a handle's tensor is its last op's output in graph order)."""
+    order = {node.name: i for i, node in enumerate(reference.graph.nodes)}
+    outputs = {}
+    for _, row in gaps.iterrows():
+        names = [name for name in row.aot_ops if name in order]
+        value = row.runtime_intermediate_output
+        if names and isinstance(value, torch.Tensor) and value.is_floating_point():
+            outputs[max(names, key=order.get)] = value.detach().float()
+    return outputs
+
+
+def local_departures(reference, outputs: dict, requantized: dict, floats: tuple, tokens: int):
+    """Each compared op recomputed by the CPU QDQ program on HTP's own inputs, against HTP's output: the kernel's
+    departure alone, not what it inherits (the table's SQNR is cumulative, and on a fragile program such as
+    Gemma-3-270M's the inherited part swamps it).
+
+    The reference graph (activations requantized) runs in an FX interpreter in which every tensor HTP dumped replaces
+    the CPU's value for the ops that read it; an op HTP fused away is recomputed from its fused group's dumped inputs,
+    so its departure is counted at the group's output, and the per-head attention ops (split per head, not compared)
+    at the attention output's. Per op, in units of its output encoding's step (LSB): the share of values that differ,
+    the rms and mean difference (HTP minus CPU: a kernel that rounds differently shows as rms, one that is biased as a
+    mean) and the largest; and the local per-position SQNR (dB)."""
+    import pandas as pd
+
+    module = reference.module()
+    at = {}  # the node whose value HTP's replaces -> (the op, its output step or None)
+    for name in outputs:
+        dequantized, scale = requantized.get(name, (name, None))
+        at[dequantized] = (name, scale)
+    rows = []
+
+    class TeacherForced(torch.fx.Interpreter):
+        def run_node(self, node):
+            value = super().run_node(node)
+            if node.name not in at:
+                return value
+            name, scale = at[node.name]
+            htp = outputs[name]
+            if not isinstance(value, torch.Tensor) or value.shape != htp.shape:
+                return value
+            cpu = value.float()
+            row = {"op": name, "local_sqnr_db": per_position_sqnr_db(cpu, htp, tokens)}
+            if scale:
+                lsb = (htp - cpu).double() / scale
+                row.update(local_changed=float((lsb.abs() > 0.5).double().mean()),
+                           local_lsb_rms=float(lsb.pow(2).mean().sqrt()), local_lsb_mean=float(lsb.mean()),
+                           local_lsb_max=float(lsb.abs().max()))
+            rows.append(row)
+            return htp.to(value.dtype)
+
+    with torch.no_grad():
+        TeacherForced(module).run(*floats)
+    missing = set(outputs) - {row["op"] for row in rows}
+    if missing:  # a dumped op the interpreter never met by name: the table would silently lack it
+        raise RuntimeError(f"{len(missing)} compared ops not found in the reference module: {sorted(missing)[:5]}")
+    return pd.DataFrame(rows)
+
+
+def noise_lsb(sigma: float, samples: int = 1 << 20) -> tuple:
+    """(share of values changed, rms difference in LSB) that rounding round(x/s + e), e ~ N(0, sigma^2), makes
+    against round(x/s), x/s's fraction uniform: the local departures' yardstick, in diag_qdq_perturb.py's units."""
+    generator = torch.Generator().manual_seed(0)
+    fraction = torch.rand(samples, generator=generator, dtype=torch.float64) - 0.5
+    moved = torch.round(fraction + sigma * torch.randn(samples, generator=generator, dtype=torch.float64))
+    return float((moved != 0).double().mean()), float(moved.pow(2).mean().sqrt())
 
 
 def sqnr_comparator(reference, tokens: int):
@@ -308,15 +377,44 @@ def diagnose(cfg) -> OpDiagnosis:
     with torch.no_grad():
         cpu_logits = reference.module()(*floats)[0].float().reshape(ar, -1)
     split = {name for names in comparator.split_ops for name in names}
-    table = op_table(gaps, reference, split)
+    local = local_departures(reference, htp_outputs(gaps, reference), requantized, floats, ar)
+    table = op_table(gaps, reference, split).merge(local, on="op", how="left")
     summary = {**logits_agreement(htp_logits, cpu_logits), "ops_compared": len(table),
                **{f"deployed_{k}": v for k, v in logits_agreement(deployed_logits, cpu_logits).items()},
                "dumped_vs_deployed_logits_sqnr_db": logits_agreement(htp_logits, deployed_logits)["logits_sqnr_db"],
                "reference_vs_qdq_program_logits_sqnr_db": logits_agreement(cpu_logits, qdq_logits)["logits_sqnr_db"],
                "min_op_sqnr_db": float(table.sqnr_db[table.sqnr_db.map(math.isfinite)].min()),
-               "lower_s": lower_s, "emulator_run_s": run_s, "tokens": ar, "activations_requantized": requantized}
+               "lower_s": lower_s, "emulator_run_s": run_s, "tokens": ar, "activations_requantized": len(requantized)}
+    stepped = table.local_lsb_rms.dropna()
+    summary.update(local_ops=len(stepped), local_lsb_rms_median=float(stepped.median()),
+                   local_lsb_rms_max=float(stepped.max()), local_ops_rms_over_half_lsb=int((stepped > 0.5).sum()))
     left_out = {"split_per_head": len(split), "multi_output_events": len(skipped)}
     return OpDiagnosis(table, summary, htp_logits, deployed_logits, left_out)
+
+
+def local_summary(table, by: str):
+    """Local departures (local_departures) aggregated by `by` (a column: `kind`, `role`), largest median rms first."""
+    stepped = table.dropna(subset=["local_lsb_rms"])
+    return stepped.groupby(by).agg(
+        ops=("op", "count"), changed=("local_changed", "median"), rms_median=("local_lsb_rms", "median"),
+        rms_max=("local_lsb_rms", "max"), mean_median=("local_lsb_mean", "median"),
+        mean_min=("local_lsb_mean", "min"), mean_max=("local_lsb_mean", "max"),
+        sqnr_median=("local_sqnr_db", "median")).sort_values("rms_median", ascending=False)
+
+
+def print_local(table, top: int) -> None:
+    yardstick = "; ".join(f"σ {sigma}: {changed:.0%} changed, rms {rms:.2f}"
+                          for sigma in (0.125, 0.25, 0.5, 1.0) for changed, rms in [noise_lsb(sigma)])
+    print(f"\nlocal departures: each op recomputed by the CPU QDQ program on HTP's own inputs, HTP minus CPU in "
+          f"steps (LSB) of the op's output encoding (changed: share of values that differ; mean: the bias). Unbiased "
+          f"rounding noise of σ LSB would give: {yardstick}")
+    table = table.assign(role=table.module.str.replace(r"layers\.\d+", "layers.*", regex=True))
+    print(f"\nper kind of op:\n{local_summary(table, 'kind').to_string(float_format='%.3f')}")
+    print(f"\nper module (layers pooled):\n{local_summary(table, 'role').head(top).to_string(float_format='%.3f')}")
+    shown = ["op", "kind", "module", "local_changed", "local_lsb_rms", "local_lsb_mean", "local_lsb_max",
+             "local_sqnr_db"]
+    largest = table.dropna(subset=["local_lsb_rms"]).nlargest(top, "local_lsb_rms")[shown]
+    print(f"\nlargest local departures:\n{largest.to_string(index=False, float_format='%.3f')}")
 
 
 def main() -> None:
@@ -359,6 +457,7 @@ def main() -> None:
     print(f"\nworst SQNR per decoder layer (dB):\n{by_layer.to_frame().T.to_string(float_format='%.1f')}")
     by_kind = finite.groupby("kind").drop_db.agg(["count", "median", "max"]).sort_values("max", ascending=False)
     print(f"\ndrop per kind of op (dB):\n{by_kind.to_string(float_format='%.1f')}")
+    print_local(table, args.top)
 
     with benchmark_run(resolve_uri(cfg.tracking), f"diag_htp_ops-{cfg.model.name}-{cfg.quant.scheme}",
                        "diag_htp_ops", {"target": "x86_emulator", "model": cfg.model.name,

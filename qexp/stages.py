@@ -183,6 +183,7 @@ def qdq(state) -> None:
     from qexp.quant.calibrate import quantize
     from qexp.quant.encodings import encodings_table, summarize_encodings, weights_megabytes
     from qexp.quant.fold import with_weights_dequantized
+    from qexp.quant.htp_arithmetic import MODELLED_OPS
     from qexp.transforms import algorithm_label, build_transforms, calibration_algorithms
 
     if not state.quantized:
@@ -208,6 +209,8 @@ def qdq(state) -> None:
             log.info("QDQ arithmetic htp_exact (4-bit per-channel lowering %s): %s", lowering,
                      folded.htp_counts.describe())
             state.metrics["htp_exact_layers"] = folded.htp_counts.modelled
+            state.metrics["htp_exact_norms"] = folded.htp_counts.norms
+            state.tags["htp_exact_model"] = MODELLED_OPS  # runs before norms were modelled have no such tag
         result = evaluate(lambda ids: window_logits(folded, static, ids), state.windows, "QDQ",
                           keep_logits=SQNR_WINDOWS)
         del folded

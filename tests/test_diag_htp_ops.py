@@ -38,6 +38,15 @@ def test_op_by_op_diagnosis_of_the_deployed_program(compose):
     finite = table[table.drop_db.map(math.isfinite)]
     assert (finite.input_sqnr_db - finite.sqnr_db - finite.drop_db).abs().max() < 1e-9
 
+    # each op on HTP's own inputs: copies are exact, and the 16-bit RMSNorms floor (every other output one step low,
+    # a -1/2 step mean), as eval.htp_exact models them
+    local = table.dropna(subset=["local_lsb_rms"])
+    copies = local[local.kind.isin(["view_copy", "permute_copy", "unsqueeze_copy"])]
+    assert len(copies) > 10 and (copies.local_lsb_rms == 0).all()
+    norms = local[local.kind == "rms_norm"]
+    assert len(norms) == 2 * n_layers + 1 and norms.local_lsb_mean.between(-0.55, -0.45).all(), norms
+    assert summary["local_ops"] == len(local) and summary["local_lsb_rms_max"] < 10
+
 
 def test_per_position_sqnr_is_not_the_massive_position_s():
     """A position 1000x the others' rms with a small error, the others with 1% errors: the whole tensor's SQNR is the
@@ -55,3 +64,43 @@ def test_per_position_sqnr_is_not_the_massive_position_s():
     assert per_position_sqnr_db(reference, reference, tokens=8) == math.inf
     assert per_position_sqnr_db(reference.transpose(1, 2), test.transpose(1, 2), tokens=8) == \
         per_position_sqnr_db(reference, test, tokens=8)  # the token axis is found wherever it is
+
+
+def test_local_departure_is_the_ops_own_not_what_it_inherits():
+    """A device whose first op departs by +1 step at one value and whose second op computes exactly from what the
+    first gave it: the second op's cumulative error is the first's, its local departure nothing; the first's local
+    departure is its own (one value in eight changed by one step, a +1/8 step bias)."""
+    from benchmarks.diag_htp_ops import local_departures
+
+    class TwoOps(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(x * 2.0) + 1.0
+
+    x = torch.arange(8, dtype=torch.float32).reshape(1, 8, 1)  # 8 positions of 1 channel
+    reference = torch.export.export(TwoOps(), (x,))
+    mul, relu, add = [node.name for node in reference.graph.nodes if node.op == "call_function"]
+    step = 0.5
+    device_mul = x * 2.0
+    device_mul[0, 3, 0] += step  # the device's mul is one step off at one value
+    outputs = {mul: device_mul, add: torch.relu(device_mul) + 1.0}  # the add exact on what the device computed
+    table = local_departures(reference, outputs, {mul: (mul, step), add: (add, step)}, (x,), tokens=8)
+    rows = table.set_index("op")
+    assert rows.loc[mul, "local_changed"] == 1 / 8 and rows.loc[mul, "local_lsb_mean"] == 1 / 8
+    assert rows.loc[mul, "local_lsb_max"] == 1.0 and rows.loc[mul, "local_lsb_rms"] == (1 / 8) ** 0.5
+    assert rows.loc[add, "local_changed"] == 0 and rows.loc[add, "local_lsb_rms"] == 0
+    assert rows.loc[add, "local_sqnr_db"] == math.inf and rows.loc[mul, "local_sqnr_db"] == math.inf  # median of 8
+    with __import__("pytest").raises(RuntimeError, match="not found"):  # a dumped op the graph lacks is no silent gap
+        local_departures(reference, {**outputs, "nonexistent": x}, {}, (x,), tokens=8)
+
+
+def test_noise_yardstick_matches_its_definition():
+    """Rounding noise of σ LSB: no change at σ 0; for wide noise the difference round(u + e) - round(u), u the
+    fraction, has variance σ² + 1/6 (the uniform fraction's 1/12 plus Sheppard's 1/12 for the rounding); the share
+    changed grows with σ."""
+    from benchmarks.diag_htp_ops import noise_lsb
+
+    assert noise_lsb(0.0) == (0.0, 0.0)
+    for sigma in (1.0, 2.0):
+        assert abs(noise_lsb(sigma)[1] - (sigma ** 2 + 1 / 6) ** 0.5) < 0.005
+    changed = [noise_lsb(sigma)[0] for sigma in (0.125, 0.25, 0.5, 1.0)]
+    assert changed == sorted(changed) and 0.03 < changed[0] < 0.15 and changed[-1] > 0.6

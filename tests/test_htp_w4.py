@@ -100,6 +100,43 @@ def test_htp_exact_predicts_the_emulator(layer_and_qdq, on_htp, lowering):
     assert _sqnr_db(htp, modelled) > _sqnr_db(htp, reference) + (15 if lowering == "per_channel" else 5)
 
 
+@pytest.mark.parametrize("gain", [0.1, 50.0])
+def test_htp_exact_floors_the_16bit_norm_as_the_emulator_does(cache_dir, tmp_path, gain):
+    """One RMSNorm at 16-bit activations on the emulator: its outputs are floor(y / s) of the QDQ program's value y
+    (measured 99.9%), where the fake-quant program rounds to nearest and so misses every other output by one step.
+    eval.htp_exact's program (the norm's quantize floored) gives the emulator's integers; gains as a pre-norm's and as
+    Gemma's post-norms' (up to ~700)."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from qexp import upstream
+    from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
+    from qexp.cache import Cache
+    from qexp.quant.fold import with_weights_dequantized
+
+    ensure_qnn_sdk(Cache(cache_dir))
+    generator = torch.Generator().manual_seed(0)
+    norm = torch.nn.RMSNorm(640, eps=1e-6).eval()
+    norm.weight.data = 1 + gain * torch.randn(640, generator=generator).abs()
+    x = (3 * torch.randn(1, 128, 640, generator=generator),)
+    quantizer = upstream.QnnQuantizer(soc_model=upstream.QcomChipset.SM8650)
+    quantizer.set_default_quant_config(upstream.QuantDtype.use_16a8w)
+    prepared = prepare_pt2e(torch.export.export(norm, x, strict=False).module(), quantizer)
+    prepared(3 * torch.randn(1, 128, 640, generator=generator))
+    prepared(*x)
+    qdq = convert_pt2e(prepared)
+    exact = with_weights_dequantized(qdq, "lpbq")
+    assert exact.htp_counts.norms == 1 and exact.htp_counts.norms_kept == 0
+    htp, _ = _run_on_htp(qdq, x, tmp_path, lpbq=False)
+    with torch.no_grad():
+        fake, modelled = qdq(*x), exact(*x)
+    step = [n for n in qdq.graph.nodes if n.op == "call_function"
+            and str(n.target).startswith("quantized_decomposed.quantize_per_tensor")][-1].args[1]
+    steps_off = torch.round((htp - modelled) / step)
+    steps_off_fake = torch.round((htp - fake) / step)
+    assert (steps_off == 0).double().mean().item() > 0.99, steps_off.abs().mean()
+    assert 0.4 < (steps_off_fake == -1).double().mean().item() < 0.6 and (steps_off_fake > 0).double().mean() < 0.01
+
+
 def test_lpbq_patch_is_scoped():
     """The lowering patch is active only inside its context: other lowerings in the process are untouched."""
     from executorch.backends.qualcomm.builders.node_visitor import NodeVisitor

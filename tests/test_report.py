@@ -149,10 +149,13 @@ def test_report_labels_htp_exact_rows():
     when the table also holds fake-quant runs; a table of one arithmetic stays as it was."""
     from qexp.report import build_report
 
-    exact = {**HTP, "run_id": "exact", "tags.qdq_arithmetic": "htp_exact", "metrics.ppl_qdq": 24.15}
-    report = build_report(pd.DataFrame([HTP, exact]))
+    exact = {**HTP, "run_id": "exact", "tags.qdq_arithmetic": "htp_exact", "metrics.ppl_qdq": 24.15,
+             "tags.htp_exact_model": "conv_accumulator_floor,rms_norm_floor"}
+    older = {**HTP, "run_id": "older", "tags.qdq_arithmetic": "htp_exact", "metrics.ppl_qdq": 24.0}  # before norms
+    report = build_report(pd.DataFrame([HTP, exact, older]))
     assert list(report.table.columns)[:3] == ["model", "scheme", "QDQ arithmetic"]
-    assert sorted(report.table["QDQ arithmetic"]) == ["fake_quant", "htp_exact"]
+    assert sorted(report.table["QDQ arithmetic"]) == ["fake_quant", "htp_exact (conv_accumulator_floor)",
+                                                      "htp_exact (conv_accumulator_floor,rms_norm_floor)"]
     assert any("htp_exact" in note for note in report.notes)
     assert "QDQ arithmetic" not in build_report(pd.DataFrame([HTP])).table.columns
 

@@ -18,6 +18,13 @@ Step 1 is computed in float64, where every partial sum is an integer below 2**53
 a few thousand input channels), so it is exact. Layers with 8-bit activations or 16-bit weights keep the QDQ
 arithmetic (no measured model of their kernels); the pass returns how many layers it modelled and left.
 
+HTP's RMSNorm with a uint16 input and output requantizes its result with a floor, not to nearest: on one norm alone
+on the emulator (640 channels, gains 1 + |N(0, 0.1)| and 1 + 50 |N(0, 1)|), 99.9% of its outputs are floor(y / s) of
+the QDQ program's pre-quantization value y, against 50% for round(y / s), every other one a step lower
+(benchmarks/diag_htp_ops.py measures each op's departure on HTP's own inputs in a whole model: its rms_norm rows show
+a -0.5 step mean). Those norms get a quantize with a floor. 8-bit norms are not floored (54% round, 72% floor: no
+simple model) and are left.
+
 Whether a phone's HTP truncates the same way as the emulator cannot be checked on this machine (README, "HTP's
 arithmetic"): the android target's perplexity against an `htp_exact` run is that check.
 """
@@ -38,13 +45,26 @@ DROPPED = 256  # the accumulator's low 8 bits, dropped with a floor
 SCALE_STEPS = 16  # LPBQ block scales are 4-bit multiples of max_b(s_b) / 16
 
 
+MODELLED_OPS = "conv_accumulator_floor,rms_norm_floor"  # what the pass models: tagged on runs (htp_exact_model)
+
+
 @dataclass
 class ModelledCounts:
     modelled: int = 0  # layers now computed with HTP's integer arithmetic
     kept: int = 0  # convolutions / linears left in float (8-bit activations, 16-bit weights, unknown encodings)
+    norms: int = 0  # 16-bit RMSNorm outputs now requantized with a floor
+    norms_kept: int = 0  # RMSNorms left rounding to nearest (8-bit input or output)
 
     def describe(self) -> str:
-        return f"{self.modelled} layers with HTP's integer arithmetic, {self.kept} left as fake-quant"
+        return (f"{self.modelled} layers with HTP's integer arithmetic, {self.kept} left as fake-quant; "
+                f"{self.norms} RMSNorm outputs floored, {self.norms_kept} left")
+
+
+def quantize_per_tensor_floor(x: torch.Tensor, scale: float, zero_point: int, quant_min: int, quant_max: int,
+                              dtype: torch.dtype) -> torch.Tensor:
+    """quantize_per_tensor with a floor where it rounds to nearest (the same float32 arithmetic otherwise): how HTP
+    requantizes a 16-bit RMSNorm's output (module docstring)."""
+    return torch.clamp(torch.floor(x * (1.0 / scale)) + zero_point, quant_min, quant_max).to(dtype)
 
 
 def htp_integer_weights(w_q: torch.Tensor, scale: torch.Tensor, kind: str, lpbq_per_channel: bool):
@@ -137,7 +157,8 @@ def _weight(module, node):
 
 def model_htp_arithmetic(module: torch.fx.GraphModule, w4_lowering: str = "lpbq") -> ModelledCounts:
     """Replace, in place, every 1x1 convolution / linear with a uint16 input and <= 8-bit symmetric weights by HTP's
-    integer arithmetic (module docstring). Run it before fold_weight_dequantize: it reads the integer weights."""
+    integer arithmetic, and floor every 16-bit RMSNorm's output quantization (module docstring). Run it before
+    fold_weight_dequantize: it reads the integer weights."""
     counts = ModelledCounts()
     graph = module.graph
     for node in list(graph.nodes):
@@ -183,6 +204,23 @@ def model_htp_arithmetic(module: torch.fx.GraphModule, w4_lowering: str = "lpbq"
                     if not source.users:
                         graph.erase_node(source)
         counts.modelled += 1
+    _floor_norm_outputs(graph, counts)
     graph.lint()
     module.recompile()
     return counts
+
+
+def _floor_norm_outputs(graph: torch.fx.Graph, counts: ModelledCounts) -> None:
+    """Retarget, in place, the quantize of every RMSNorm output with a uint16 input and output to a floor."""
+    for node in graph.nodes:
+        if not _is(node, "aten.rms_norm"):
+            continue
+        quantizes = [user for user in node.users if _is(user, "quantize_per_tensor") and
+                     not _is(user, "dequantize")]
+        sixteen_bit = [q for q in quantizes if tuple(q.args[3:5]) == (0, 65535)]
+        if _sixteen_bit_input(node.args[0]) is None or not sixteen_bit or len(sixteen_bit) != len(quantizes):
+            counts.norms_kept += 1
+            continue
+        for quantize in sixteen_bit:
+            quantize.target = quantize_per_tensor_floor
+        counts.norms += 1
