@@ -11,7 +11,13 @@ from helpers import TINY
 from qexp.models.static_llama import window_logits
 from qexp.pipeline import prepare
 from qexp.quant.fold import with_weights_dequantized
-from qexp.quant.htp_arithmetic import htp_accumulate, htp_conv1x1, htp_integer_weights
+from qexp.quant.htp_arithmetic import (
+    MODELLED_OPS,
+    htp_accumulate,
+    htp_conv1x1,
+    htp_integer_weights,
+    quantize_per_tensor_floor,
+)
 from qexp.quant.lpbq import quantize_block_scales
 from qexp.config import BlockScaleRounding
 
@@ -75,6 +81,18 @@ def test_conv1x1_equals_the_fake_quant_layer_up_to_the_dropped_bits():
     assert (fake - got).mean() > 0  # the floor's bias
 
 
+def test_norm_quantize_floors_where_the_program_rounds():
+    """quantize_per_tensor_floor is quantize_per_tensor with floor(x / s) for round(x / s): the same integers where
+    the fraction is below one half, one less above it, clamped alike."""
+    scale, zp = 2.0 ** -7, 30000  # a power of two: x / s is exact, so the fractions are the ones written
+    steps = torch.tensor([0.0, 0.2, 0.49, 0.51, 0.8, -0.2, -0.8, 3e6, -3e6])
+    x = (steps + torch.tensor([10.0] * 7 + [0.0, 0.0])) * scale
+    got = quantize_per_tensor_floor(x, scale, zp, 0, 65535, torch.uint16).long()
+    rounded = torch.ops.quantized_decomposed.quantize_per_tensor(x, scale, zp, 0, 65535, torch.uint16).long()
+    assert got.tolist() == [30010, 30010, 30010, 30010, 30010, 30009, 30009, 65535, 0]
+    assert (rounded - got).tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0]
+
+
 @pytest.mark.parametrize("quant, modelled", [("16a4w_block", True), ("16a8w", True), ("8a8w", False)])
 def test_program_pass_models_16bit_layers_only(quant, modelled, compose):
     state = prepare(compose(TINY + [f"quant={quant}"]), "qdq")
@@ -84,10 +102,13 @@ def test_program_pass_models_16bit_layers_only(quant, modelled, compose):
     convs = sum(1 for n in program.graph.nodes if n.op == "call_function" and "conv2d" in str(n.target))
     ids = state.windows.ids[0].tolist()
     a, b = window_logits(fake, static, ids), window_logits(exact, static, ids)
+    norms = sum(1 for n in program.graph.nodes if n.op == "call_function" and "rms_norm" in str(n.target))
     if not modelled:  # 8-bit activations: no measured model of HTP's kernel, the fake-quant arithmetic stays
-        assert exact.htp_counts.modelled == 0 and torch.equal(a, b)
+        assert exact.htp_counts.modelled == 0 and exact.htp_counts.norms == 0 and torch.equal(a, b)
+        assert exact.htp_counts.norms_kept == norms
         return
     assert exact.htp_counts.modelled == convs > 0 and exact.htp_counts.kept == 0
+    assert exact.htp_counts.norms == norms == 5 and exact.htp_counts.norms_kept == 0  # model=tiny: 2 layers x 2 + 1
     assert not torch.equal(a, b)
     sqnr = 10 * torch.log10(a.pow(2).sum() / (a - b).pow(2).sum())
     assert sqnr > 20  # the same quantized model, computed a little differently
@@ -103,6 +124,8 @@ def test_htp_exact_run_is_tagged_and_not_paired_with_fake_quant(compose):
     exact = prepare(compose(TINY + ["quant=16a4w", "eval.htp_exact=true"]), "qdq")
     assert fake.tags["qdq_arithmetic"] == "fake_quant" and exact.tags["qdq_arithmetic"] == "htp_exact"
     assert exact.metrics["htp_exact_layers"] > 0 and "htp_exact_layers" not in fake.metrics
+    assert exact.metrics["htp_exact_norms"] == 5 and exact.tags["htp_exact_model"] == MODELLED_OPS
+    assert "htp_exact_model" not in fake.tags
     assert exact.metrics["ppl_qdq"] != fake.metrics["ppl_qdq"]
     assert exact.tags["qdq_cache_key"] == fake.tags["qdq_cache_key"]  # same quantization, only the arithmetic differs
     assert "qdq_arithmetic" in IDENTITY
