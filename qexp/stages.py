@@ -295,6 +295,21 @@ def _score_deployed(state, deployed) -> None:
              reference.upper(), metrics[f"ppl_{reference}_sub"], subset.n_predicted, 100 * metrics[delta],
              100 * metrics.get(f"{delta}_ci_low", float("nan")), 100 * metrics.get(f"{delta}_ci_high", float("nan")),
              metrics[f"top1_agreement_deployed_vs_{reference}"])
+    hint = htp_exact_hint(state.cfg.backend.name, state.tags.get("qdq_arithmetic"), metrics)
+    if hint:
+        log.info(hint)
+
+
+def htp_exact_hint(backend: str, qdq_arithmetic, metrics: dict):
+    """One line for a user whose HTP run departs from the fake-quant QDQ program by more than the interval allows:
+    the QDQ phase can compute what HTP computes instead (on Gemma-3-270M the fake-quant program was 7-15% optimistic
+    and eval.htp_exact within ~1% of HTP). None otherwise."""
+    low, high = metrics.get("ppl_deployed_vs_qdq_ci_low"), metrics.get("ppl_deployed_vs_qdq_ci_high")
+    if backend != "htp" or qdq_arithmetic != "fake_quant" or low is None or high is None or low <= 0 <= high:
+        return None
+    return (f"HTP departs from the fake-quant QDQ program by {100 * metrics['ppl_deployed_vs_qdq']:+.2f}%, beyond its "
+            f"interval: eval.htp_exact=true scores the QDQ phase with the arithmetic HTP runs (16-bit norms floored, "
+            f"the convolutions' accumulator; README, \"HTP's arithmetic in the QDQ phase\")")
 
 
 def grid_tags(cfg) -> dict:

@@ -164,3 +164,19 @@ def test_new_settings_at_their_default_keep_earlier_hashes(compose):
     outputs = compose(TINY + ["quant=16a4w", "algorithm=[weight_clip]", "algorithm.weight_clip.objective=outputs"])
     assert config_hash(outputs) != config_hash(clip)
     assert build_transforms(outputs.algorithm)[0].fingerprint()["config"]["objective"] == "outputs"
+
+
+def test_hint_points_to_htp_exact_only_for_a_real_gap():
+    """An HTP run beyond its interval from the fake-quant program gets one line naming eval.htp_exact; within the
+    interval, already htp_exact, or another backend: nothing."""
+    from qexp.stages import htp_exact_hint
+
+    gap = {"ppl_deployed_vs_qdq": 0.07, "ppl_deployed_vs_qdq_ci_low": 0.037, "ppl_deployed_vs_qdq_ci_high": 0.102}
+    assert "eval.htp_exact=true" in htp_exact_hint("htp", "fake_quant", gap) and "+7.00%" in htp_exact_hint(
+        "htp", "fake_quant", gap)
+    below = {"ppl_deployed_vs_qdq": -0.03, "ppl_deployed_vs_qdq_ci_low": -0.05, "ppl_deployed_vs_qdq_ci_high": -0.01}
+    assert htp_exact_hint("htp", "fake_quant", below) is not None
+    noise = {**gap, "ppl_deployed_vs_qdq_ci_low": -0.003}
+    assert htp_exact_hint("htp", "fake_quant", noise) is None
+    assert htp_exact_hint("htp", "htp_exact", gap) is None and htp_exact_hint("xnnpack", "fake_quant", gap) is None
+    assert htp_exact_hint("htp", "fake_quant", {"ppl_deployed_vs_qdq": 0.07}) is None  # no interval: no claim
