@@ -305,7 +305,8 @@ def htp_exact_hint(backend: str, qdq_arithmetic, metrics: dict):
     the QDQ phase can compute what HTP computes instead (on Gemma-3-270M the fake-quant program was 7-15% optimistic
     and eval.htp_exact within ~1% of HTP). None otherwise."""
     low, high = metrics.get("ppl_deployed_vs_qdq_ci_low"), metrics.get("ppl_deployed_vs_qdq_ci_high")
-    if backend != "htp" or qdq_arithmetic != "fake_quant" or low is None or high is None or low <= 0 <= high:
+    if backend != "htp" or qdq_arithmetic != "fake_quant" or low is None or high is None or not (
+            np.isfinite(low) and np.isfinite(high)) or low <= 0 <= high:
         return None
     return (f"HTP departs from the fake-quant QDQ program by {100 * metrics['ppl_deployed_vs_qdq']:+.2f}%, beyond its "
             f"interval: eval.htp_exact=true scores the QDQ phase with the arithmetic HTP runs (16-bit norms floored, "

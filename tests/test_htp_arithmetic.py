@@ -180,3 +180,4 @@ def test_hint_points_to_htp_exact_only_for_a_real_gap():
     assert htp_exact_hint("htp", "fake_quant", noise) is None
     assert htp_exact_hint("htp", "htp_exact", gap) is None and htp_exact_hint("xnnpack", "fake_quant", gap) is None
     assert htp_exact_hint("htp", "fake_quant", {"ppl_deployed_vs_qdq": 0.07}) is None  # no interval: no claim
+    assert htp_exact_hint("htp", "fake_quant", {**gap, "ppl_deployed_vs_qdq_ci_low": float("nan")}) is None
