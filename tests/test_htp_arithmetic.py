@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import TINY
+from helpers import REPO, TINY
 from qexp.models.static_llama import window_logits
 from qexp.pipeline import prepare
 from qexp.quant.fold import with_weights_dequantized
@@ -181,3 +181,14 @@ def test_hint_points_to_htp_exact_only_for_a_real_gap():
     assert htp_exact_hint("htp", "htp_exact", gap) is None and htp_exact_hint("xnnpack", "fake_quant", gap) is None
     assert htp_exact_hint("htp", "fake_quant", {"ppl_deployed_vs_qdq": 0.07}) is None  # no interval: no claim
     assert htp_exact_hint("htp", "fake_quant", {**gap, "ppl_deployed_vs_qdq_ci_low": float("nan")}) is None
+
+
+def test_htp_arithmetic_sweep_composes(compose):
+    """sweeps/htp_arithmetic.yaml: HTP on 8 windows, each scheme against both QDQ arithmetics."""
+    from omegaconf import OmegaConf
+
+    cfg = compose(["+sweep=htp_arithmetic", "model=gemma3_270m"], tracked=False)
+    assert (cfg.model.name, cfg.backend.name, cfg.backend.eval_tokens) == ("gemma3_270m", "htp", 2048)
+    assert cfg.tracking.sweep == "htp_arithmetic" and cfg.eval.htp_exact is False
+    grid = OmegaConf.load(REPO / "sweeps" / "htp_arithmetic.yaml").hydra.sweeper.params
+    assert grid["eval.htp_exact"] == "false,true" and grid["quant"] == "16a8w,16a4w"
