@@ -216,20 +216,19 @@ def htp_outputs(gaps, reference) -> dict:
     return outputs
 
 
-def local_departures(reference, outputs: dict, requantized: dict, floats: tuple, tokens: int):
+def local_departures(module: torch.fx.GraphModule, outputs: dict, requantized: dict, floats: tuple, tokens: int):
     """Each compared op recomputed by the CPU QDQ program on HTP's own inputs, against HTP's output: the kernel's
     departure alone, not what it inherits (the table's SQNR is cumulative, and on a fragile program such as
     Gemma-3-270M's the inherited part swamps it).
 
-    The reference graph (activations requantized) runs in an FX interpreter in which every tensor HTP dumped replaces
-    the CPU's value for the ops that read it; an op HTP fused away is recomputed from its fused group's dumped inputs,
-    so its departure is counted at the group's output, and the per-head attention ops (split per head, not compared)
-    at the attention output's. Per op, in units of its output encoding's step (LSB): the share of values that differ,
+    `module` is the reference graph (activations requantized) as a module (ExportedProgram.module()); it runs in an
+    FX interpreter in which every tensor HTP dumped replaces the CPU's value for the ops that read it; an op HTP
+    fused away is recomputed from its fused group's dumped inputs, so its departure is counted at the group's output,
+    and the per-head attention ops (split per head, not compared) at the attention output's. Per op, in units of its output encoding's step (LSB): the share of values that differ,
     the rms and mean difference (HTP minus CPU: a kernel that rounds differently shows as rms, one that is biased as a
     mean) and the largest; and the local per-position SQNR (dB)."""
     import pandas as pd
 
-    module = reference.module()
     at = {}  # the node whose value HTP's replaces -> (the op, its output step or None)
     for name in outputs:
         dequantized, scale = requantized.get(name, (name, None))
@@ -381,9 +380,10 @@ def diagnose(cfg) -> OpDiagnosis:
             comparator = sqnr_comparator(reference, ar)
             gaps = inspector.calculate_numeric_gap(distance=comparator, reference_graph=REFERENCE_GRAPH)
     with torch.no_grad():
-        cpu_logits = reference.module()(*floats)[0].float().reshape(ar, -1)
+        module = reference.module()  # unlifted once: the plain run and the one on HTP's inputs share it
+        cpu_logits = module(*floats)[0].float().reshape(ar, -1)
     split = {name for names in comparator.split_ops for name in names}
-    local = local_departures(reference, htp_outputs(gaps, reference), requantized, floats, ar)
+    local = local_departures(module, htp_outputs(gaps, reference), requantized, floats, ar)
     table = op_table(gaps, reference, split).merge(local, on="op", how="left")
     summary = {**logits_agreement(htp_logits, cpu_logits), "ops_compared": len(table),
                **{f"deployed_{k}": v for k, v in logits_agreement(deployed_logits, cpu_logits).items()},

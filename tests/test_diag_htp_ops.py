@@ -83,14 +83,14 @@ def test_local_departure_is_the_ops_own_not_what_it_inherits():
     device_mul = x * 2.0
     device_mul[0, 3, 0] += step  # the device's mul is one step off at one value
     outputs = {mul: device_mul, add: torch.relu(device_mul) + 1.0}  # the add exact on what the device computed
-    table = local_departures(reference, outputs, {mul: (mul, step), add: (add, step)}, (x,), tokens=8)
+    table = local_departures(reference.module(), outputs, {mul: (mul, step), add: (add, step)}, (x,), tokens=8)
     rows = table.set_index("op")
     assert rows.loc[mul, "local_changed"] == 1 / 8 and rows.loc[mul, "local_lsb_mean"] == 1 / 8
     assert rows.loc[mul, "local_lsb_max"] == 1.0 and rows.loc[mul, "local_lsb_rms"] == (1 / 8) ** 0.5
     assert rows.loc[add, "local_changed"] == 0 and rows.loc[add, "local_lsb_rms"] == 0
     assert rows.loc[add, "local_sqnr_db"] == math.inf and rows.loc[mul, "local_sqnr_db"] == math.inf  # median of 8
     with __import__("pytest").raises(RuntimeError, match="not found"):  # a dumped op the graph lacks is no silent gap
-        local_departures(reference, {**outputs, "nonexistent": x}, {}, (x,), tokens=8)
+        local_departures(reference.module(), {**outputs, "nonexistent": x}, {}, (x,), tokens=8)
 
 
 def test_noise_yardstick_matches_its_definition():

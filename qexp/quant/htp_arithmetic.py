@@ -22,8 +22,8 @@ HTP's RMSNorm with a uint16 input and output requantizes its result with a floor
 on the emulator (640 channels, gains 1 + |N(0, 0.1)| and 1 + 50 |N(0, 1)|), 99.9% of its outputs are floor(y / s) of
 the QDQ program's pre-quantization value y, against 50% for round(y / s), every other one a step lower
 (benchmarks/diag_htp_ops.py measures each op's departure on HTP's own inputs in a whole model: its rms_norm rows show
-a -0.5 step mean). Those norms get a quantize with a floor. 8-bit norms are not floored (54% round, 72% floor: no
-simple model) and are left.
+a -0.5 step mean). Those norms get a quantize with a floor. 8-bit norms are not floored (54% round, 72% floor on a
+one-off 8a8w probe: no simple model) and are left.
 
 Whether a phone's HTP truncates the same way as the emulator cannot be checked on this machine (README, "HTP's
 arithmetic"): the android target's perplexity against an `htp_exact` run is that check.
