@@ -162,12 +162,27 @@ def run_experiment(cfg: DictConfig, job: Optional["SweepJob"] = None) -> Experim
                 log.info("config hash %s has FINISHED run %s, but its config is refused now: not skipped", chash,
                          previous.info.run_id)
                 previous = None
+            if previous is not None and not _same_htp_exact_model(cfg, previous):
+                # an eval.htp_exact run computed by an older model of HTP's arithmetic: its QDQ numbers are not this
+                # code's, so it is not a result to resume from
+                log.info("config hash %s has FINISHED run %s with an older htp_exact model (%s): not skipped", chash,
+                         previous.info.run_id, previous.data.tags.get("htp_exact_model", "conv_accumulator_floor"))
+                previous = None
             if previous is not None:
                 log.info("config hash %s already has FINISHED run %s: skipped", chash, previous.info.run_id)
                 job.record("skipped", previous.info.run_id, chash)
                 return ExperimentResult(previous.info.run_id, dict(previous.data.metrics), {"config_hash": chash},
                                         skipped=True)
         return _tracked_run(cfg, tracker, chash, job)
+
+
+def _same_htp_exact_model(cfg: DictConfig, previous) -> bool:
+    """Whether a FINISHED run's QDQ phase used this code's model of HTP's arithmetic (always, without htp_exact)."""
+    from qexp.quant.htp_arithmetic import MODELLED_OPS
+
+    if not cfg.eval.get("htp_exact", False) or previous.data.tags.get("qdq_arithmetic") != "htp_exact":
+        return True
+    return previous.data.tags.get("htp_exact_model") == MODELLED_OPS
 
 
 def _still_valid(cfg: DictConfig) -> bool:

@@ -192,3 +192,25 @@ def test_htp_arithmetic_sweep_composes(compose):
     assert cfg.tracking.sweep == "htp_arithmetic" and cfg.eval.htp_exact is False
     grid = OmegaConf.load(REPO / "sweeps" / "htp_arithmetic.yaml").hydra.sweeper.params
     assert grid["eval.htp_exact"] == "false,true" and grid["quant"] == "16a8w,16a4w"
+
+
+def test_models_can_be_left_out_one_by_one(compose):
+    """model_htp_arithmetic's `models` (benchmarks/diag_htp_exact_ops.py): each model applies alone, none is the
+    fake-quant program bit for bit, and an unknown name is refused."""
+    from qexp.quant.htp_arithmetic import MODELS
+
+    state = prepare(compose(TINY + ["quant=16a8w"]), "qdq")
+    program, static = state.qdq.program.module, state.qdq.static
+    ids = state.windows.ids[0].tolist()
+    fake = window_logits(with_weights_dequantized(program), static, ids)
+    nothing = with_weights_dequantized(program, "lpbq", htp_exact_models=())
+    assert torch.equal(window_logits(nothing, static, ids), fake)
+    counts = {m: with_weights_dequantized(program, "lpbq", htp_exact_models=(m,)).htp_counts for m in MODELS}
+    assert counts["conv_accumulator_floor"].modelled > 0 and counts["conv_accumulator_floor"].norms == 0
+    assert counts["rms_norm_floor"].norms == 5 and counts["rms_norm_floor"].modelled == 0
+    assert counts["softmax_exp15_floor"].softmaxes == 2 and counts["softmax_exp15_floor"].sigmoids == 0
+    assert counts["sigmoid_15bit_floor"].sigmoids == 2 and counts["sigmoid_15bit_floor"].softmaxes == 0
+    no_gelu = with_weights_dequantized(program, "lpbq", htp_exact_models=("gelu_phi_table",))  # llama has none
+    assert torch.equal(window_logits(no_gelu, static, ids), fake)
+    with pytest.raises(ValueError, match="unknown HTP arithmetic models"):
+        with_weights_dequantized(program, "lpbq", htp_exact_models=("conv_floor",))

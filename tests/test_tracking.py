@@ -246,3 +246,30 @@ def test_a_sweep_does_not_resume_from_a_run_its_config_is_refused_for_now(compos
     valid = compose(TINY + ["quant=fp32", "tracking.experiment=resume_valid"])
     finished_before(valid)
     assert run_experiment(valid, SweepJob("resume", None, 0, tmp_path / "job1")).skipped
+
+
+def test_a_sweep_does_not_resume_from_an_older_htp_exact_model(compose, store_uri, tmp_path):
+    """An eval.htp_exact run computed by an older model of HTP's arithmetic (its htp_exact_model tag differs, or is
+    missing as on runs before the tag) is not skipped on a sweep's resume: its QDQ numbers are not this code's. One
+    computed by the current model is skipped, and so is a fake-quant run whatever its tags."""
+    from qexp.provenance import config_hash
+    from qexp.quant.htp_arithmetic import MODELLED_OPS
+    from qexp.tracking.store import Tracker
+    from qexp.tracking.sweep import SweepJob
+
+    def finished_before(cfg, tags):
+        tracker = Tracker(cfg.tracking)
+        tracker.start("made by an earlier qexp", {"config_hash": config_hash(cfg), **tags})
+        tracker.finish()
+
+    for name, htp_exact, tags, skipped in [
+            ("older", "true", {"qdq_arithmetic": "htp_exact", "htp_exact_model": "conv_accumulator_floor"}, False),
+            ("untagged", "true", {"qdq_arithmetic": "htp_exact"}, False),
+            ("current", "true", {"qdq_arithmetic": "htp_exact", "htp_exact_model": MODELLED_OPS}, True),
+            ("fake_quant", "false", {"qdq_arithmetic": "fake_quant"}, True)]:
+        cfg = compose(TINY + ["quant=16a8w", f"eval.htp_exact={htp_exact}", f"tracking.experiment=resume_{name}"])
+        finished_before(cfg, tags)
+        result = run_experiment(cfg, SweepJob("resume", None, 0, tmp_path / name))
+        assert result.skipped == skipped, name
+        if not skipped:
+            assert MlflowClient(store_uri).get_run(result.run_id).data.tags["htp_exact_model"] == MODELLED_OPS

@@ -37,11 +37,12 @@ def constant_value(module: torch.fx.GraphModule, arg):
 
 
 def with_weights_dequantized(module: torch.fx.GraphModule, htp_exact_w4_lowering: str | None = None,
-                             fuse_activations: bool = True):
+                             fuse_activations: bool = True, htp_exact_models: tuple | None = None):
     """A copy of `module` (its own graph; the tensors shared, not copied) with its weights' dequantize ops folded.
     With `htp_exact_w4_lowering` set, its 16-bit-activation layers first get HTP's integer arithmetic
-    (qexp.quant.htp_arithmetic, eval.htp_exact) for that 4-bit lowering. The graph is copied node by node with shallow metadata: `copy.deepcopy` of a SmolLM2 program's graph (3,400
-    nodes whose metadata hold fake tensors) took minutes."""
+    (qexp.quant.htp_arithmetic, eval.htp_exact) for that 4-bit lowering (`htp_exact_models`: a subset of its
+    models, for diagnostics; all by default). The graph is copied node by node with shallow metadata:
+    `copy.deepcopy` of a SmolLM2 program's graph (3,400 nodes whose metadata hold fake tensors) took minutes."""
     import copy
 
     graph = torch.fx.Graph()
@@ -50,9 +51,9 @@ def with_weights_dequantized(module: torch.fx.GraphModule, htp_exact_w4_lowering
     graph.output(output)
     folded = torch.fx.GraphModule(module, graph)
     if htp_exact_w4_lowering is not None:
-        from qexp.quant.htp_arithmetic import model_htp_arithmetic
+        from qexp.quant.htp_arithmetic import MODELS, model_htp_arithmetic
 
-        folded.htp_counts = model_htp_arithmetic(folded, htp_exact_w4_lowering)
+        folded.htp_counts = model_htp_arithmetic(folded, htp_exact_w4_lowering, MODELS if htp_exact_models is None else htp_exact_models)
     fold_weight_dequantize(folded)
     if fuse_activations:  # off only to measure what it saves (benchmarks/bench_qdq_eval.py)
         fuse_activation_fake_quant(folded)

@@ -1,4 +1,5 @@
-"""HTP's integer arithmetic for 16-bit-activation convolutions and linears, modelled in the QDQ program (eval.htp_exact).
+"""HTP's arithmetic for 16-bit-activation convolutions, linears, RMSNorms, softmaxes, sigmoids and GELUs, modelled in
+the QDQ program (eval.htp_exact).
 
 The QDQ (fake-quant) program computes each layer in float: y = conv(s_x (x_q - zp), s_w w_q). HTP computes it in
 integers, and with 16-bit activations it does not keep the whole accumulator. Measured on single layers through the
@@ -25,14 +26,42 @@ the QDQ program's pre-quantization value y, against 50% for round(y / s), every 
 a -0.5 step mean). Those norms get a quantize with a floor. 8-bit norms are not floored (54% round, 72% floor on a
 one-off 8a8w probe: no simple model) and are left.
 
+HTP's 16-bit Softmax keeps exp(x - max) as a 15-bit fixed-point integer, E = floor(2**15 exp(x - max)), divides
+it by the row's sum of them, and requantizes the quotient with a floor: on rows of Gaussian scores (std 1-3) with a
+causal mask, 64-256 keys, 93-99% of its codes are floor(E / sum(E) / s), 0.11-0.27 code rms from it, against 68-80%
+and 0.5-2.0 rms for the program's round(softmax(x) / s), which also sits 0.2 code above HTP on average (every row of
+its probabilities sums above HTP's) and 2-3 codes rms off HTP's large probabilities, where the 15-bit exp's error
+is largest relative to the output step (benchmarks/diag_htp_pointwise.py). An attention output is a sum of values
+weighted by those probabilities, so that is where it shows. Those softmaxes are computed that way (htp_softmax).
+
+HTP's 16-bit Sigmoid keeps 15 bits, floored: over all 65,536 input codes on the emulator every output code is even
+and 85-92% of them are 2 * floor(sigmoid(x) * 32768) (the rest are 2 codes either side, evenly: its sigmoid is an
+approximation within one 15-bit step), against 30-52% for the fake-quant program's round(sigmoid(x) * 65536), which
+sits 0.6-0.9 code above HTP on average (benchmarks/diag_htp_pointwise.py). SiLU is a sigmoid and a mul in these
+programs, so every SmolLM2 / Llama / Qwen MLP has one. Those sigmoids get that quantize.
+
+HTP's 16-bit GELU is neither the tanh form the program computes nor the erf form: it is x * phi(x) with its own phi,
+within ~3/4096 of the normal CDF and rippling about it in [-4, 4] (a polynomial's error; within 6 nearest 0, where
+the table resolves phi least), and 1/4096 off it beyond (about 1/4096 below -5.3 and 1 - 1/4096 above 4.6: a large
+negative input gives a small negative output, a large positive one x (1 - 1/4096)). QNN ignores `approximate`
+(executorch/backends/qualcomm/builders/op_gelu.py). qexp models it with phi measured on the emulator
+(htp_gelu_phi.csv, written by benchmarks/diag_htp_pointwise.py: a function of x on a 1/128 grid in [-8, 8], held at
+its ends beyond). On input ranges the table was not measured on, HTP's codes are then 0.9-2.4 codes rms from the
+model, with a bias of at most 0.5 code, against 6.5-12.1 rms and biases up to -10 codes (the tails) from the
+fake-quant program; 29-43% are identical (which codes HTP gets depends on fixed-point details of its kernel that a
+function of x does not carry). Eight-bit sigmoids and GELUs keep the program's arithmetic (not measured).
+HTP's sigmoid and GELU gave identical outputs with the emulator set to SM8450, SM8650 and SM8750 (a one-off probe).
+
 Whether a phone's HTP truncates the same way as the emulator cannot be checked on this machine (README, "HTP's
 arithmetic"): the android target's perplexity against an `htp_exact` run is that check.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -45,7 +74,9 @@ DROPPED = 256  # the accumulator's low 8 bits, dropped with a floor
 SCALE_STEPS = 16  # LPBQ block scales are 4-bit multiples of max_b(s_b) / 16
 
 
-MODELLED_OPS = "conv_accumulator_floor,rms_norm_floor"  # what the pass models: tagged on runs (htp_exact_model)
+# what the pass models, tagged on runs (htp_exact_model); a sweep does not resume from a run with another one
+MODELLED_OPS = "conv_accumulator_floor,rms_norm_floor,softmax_exp15_floor,sigmoid_15bit_floor,gelu_phi_table"
+MODELS = tuple(MODELLED_OPS.split(","))  # each can be left out (model_htp_arithmetic's `models`) to measure it
 
 
 @dataclass
@@ -54,10 +85,16 @@ class ModelledCounts:
     kept: int = 0  # convolutions / linears left in float (8-bit activations, 16-bit weights, unknown encodings)
     norms: int = 0  # 16-bit RMSNorm outputs now requantized with a floor
     norms_kept: int = 0  # RMSNorms left rounding to nearest (8-bit input or output)
+    softmaxes: int = 0  # 16-bit softmaxes now computed with HTP's 15-bit exp, their output floored
+    sigmoids: int = 0  # 16-bit sigmoid outputs now floored to 15 bits
+    gelus: int = 0  # 16-bit GELUs now computed with HTP's phi
+    pointwise_kept: int = 0  # softmaxes / sigmoids / GELUs left as the program computes them (8-bit input or output)
 
     def describe(self) -> str:
         return (f"{self.modelled} layers with HTP's integer arithmetic, {self.kept} left as fake-quant; "
-                f"{self.norms} RMSNorm outputs floored, {self.norms_kept} left")
+                f"{self.norms} RMSNorm outputs floored, {self.norms_kept} left; {self.softmaxes} softmaxes with a "
+                f"15-bit exp, {self.sigmoids} sigmoids at 15 bits, {self.gelus} GELUs with HTP's phi, "
+                f"{self.pointwise_kept} left")
 
 
 def quantize_per_tensor_floor(x: torch.Tensor, scale: float, zero_point: int, quant_min: int, quant_max: int,
@@ -65,6 +102,51 @@ def quantize_per_tensor_floor(x: torch.Tensor, scale: float, zero_point: int, qu
     """quantize_per_tensor with a floor where it rounds to nearest (the same float32 arithmetic otherwise): how HTP
     requantizes a 16-bit RMSNorm's output (module docstring)."""
     return torch.clamp(torch.floor(x * (1.0 / scale)) + zero_point, quant_min, quant_max).to(dtype)
+
+
+def quantize_sigmoid_fifteen_bits(x: torch.Tensor, scale: float, zero_point: int, quant_min: int, quant_max: int,
+                                  dtype: torch.dtype) -> torch.Tensor:
+    """The quantize of a 16-bit sigmoid's output (QNN fixes it at scale 1 / 65536, zero point 0) as HTP computes it:
+    15 bits, floored, so the code is 2 * floor(y * 32768) and never odd (module docstring)."""
+    half_codes = torch.floor(x * (0.5 / scale))
+    return torch.clamp(2 * half_codes + zero_point, quant_min, quant_max - 1).to(dtype)
+
+
+GELU_PHI_TABLE = Path(__file__).with_name("htp_gelu_phi.csv")  # columns x, phi_4096 (phi in units of 1/4096)
+
+
+@functools.lru_cache(maxsize=1)
+def gelu_phi_table() -> tuple[float, float, torch.Tensor]:
+    """(first x, grid step, phi on the grid in units of 1/4096, float64) from GELU_PHI_TABLE."""
+    rows = [line.split(",") for line in GELU_PHI_TABLE.read_text().splitlines()[1:] if line.strip()]
+    x = torch.tensor([float(r[0]) for r in rows], dtype=torch.float64)
+    phi = torch.tensor([float(r[1]) for r in rows], dtype=torch.float64)
+    step = (x[1] - x[0]).item()
+    if not torch.allclose(x[1:] - x[:-1], torch.full_like(x[1:], step)):
+        raise ValueError(f"{GELU_PHI_TABLE}: x must be a uniform grid")
+    return x[0].item(), step, phi
+
+
+def htp_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU as HTP computes it at 16 bits, x * phi(x) with phi interpolated linearly in the measured table and held
+    at its end values beyond it (module docstring). `approximate` is ignored, as QNN ignores it."""
+    start, step, phi = gelu_phi_table()
+    position = ((x.to(torch.float64) - start) / step).clamp(0, phi.numel() - 1)
+    left = position.floor().clamp(max=phi.numel() - 2)
+    weight = position - left
+    left = left.long()
+    value = phi[left] * (1 - weight) + phi[left + 1] * weight
+    return (x.to(torch.float64) * value / 4096).to(x.dtype)
+
+
+def htp_softmax(x: torch.Tensor, dim: int, *_, **__) -> torch.Tensor:
+    """Softmax as HTP computes it at 16 bits before its floored requantization: exp(x - max) kept as the integer
+    floor(2**15 exp(x - max)), divided by the row's sum of them (module docstring). In float32 the integers are exact
+    and so is their sum for rows of up to 512 keys (each is at most 2**15), and beyond unless more than 512 of them
+    are near the row's max."""
+    centred = x - x.amax(dim, keepdim=True)
+    fixed = torch.floor(torch.exp(centred) * 32768.0)
+    return fixed / fixed.sum(dim, keepdim=True)
 
 
 def htp_integer_weights(w_q: torch.Tensor, scale: torch.Tensor, kind: str, lpbq_per_channel: bool):
@@ -155,13 +237,18 @@ def _weight(module, node):
     return w_q, torch.as_tensor(scale), kind, qmax - qmin <= 15
 
 
-def model_htp_arithmetic(module: torch.fx.GraphModule, w4_lowering: str = "lpbq") -> ModelledCounts:
+def model_htp_arithmetic(module: torch.fx.GraphModule, w4_lowering: str = "lpbq",
+                         models: tuple = MODELS) -> ModelledCounts:
     """Replace, in place, every 1x1 convolution / linear with a uint16 input and <= 8-bit symmetric weights by HTP's
-    integer arithmetic, and floor every 16-bit RMSNorm's output quantization (module docstring). Run it before
-    fold_weight_dequantize: it reads the integer weights."""
+    integer arithmetic, floor every 16-bit RMSNorm's output quantization, and give 16-bit softmaxes, sigmoids and GELUs
+    HTP's arithmetic (module docstring). Run it before fold_weight_dequantize: it reads the integer weights.
+    `models`: which of MODELS to apply (all in qexp runs; benchmarks/diag_htp_exact_ops.py leaves each out in turn)."""
+    unknown = set(models) - set(MODELS)
+    if unknown:
+        raise ValueError(f"unknown HTP arithmetic models {sorted(unknown)}; known: {', '.join(MODELS)}")
     counts = ModelledCounts()
     graph = module.graph
-    for node in list(graph.nodes):
+    for node in list(graph.nodes) if "conv_accumulator_floor" in models else []:
         conv, linear = _is(node, "aten.conv2d"), _is(node, "aten.linear")
         if not (conv or linear):
             continue
@@ -204,7 +291,9 @@ def model_htp_arithmetic(module: torch.fx.GraphModule, w4_lowering: str = "lpbq"
                     if not source.users:
                         graph.erase_node(source)
         counts.modelled += 1
-    _floor_norm_outputs(graph, counts)
+    if "rms_norm_floor" in models:
+        _floor_norm_outputs(graph, counts)
+    _model_pointwise(graph, counts, models)
     graph.lint()
     module.recompile()
     return counts
@@ -224,3 +313,41 @@ def _floor_norm_outputs(graph: torch.fx.Graph, counts: ModelledCounts) -> None:
         for quantize in sixteen_bit:
             quantize.target = quantize_per_tensor_floor
         counts.norms += 1
+
+
+def _sixteen_bit_output_quantizes(node) -> list | None:
+    """The quantize ops reading `node` when every one of them is uint16, else None."""
+    quantizes = [user for user in node.users if _is(user, "quantize_per_tensor") and not _is(user, "dequantize")]
+    if not quantizes or any(tuple(q.args[3:5]) != (0, 65535) for q in quantizes):
+        return None
+    return quantizes
+
+
+def _model_pointwise(graph: torch.fx.Graph, counts: ModelledCounts, models: tuple) -> None:
+    """16-bit softmaxes: HTP's 15-bit exp, their output quantize floored; 16-bit sigmoids: at 15 bits, floored;
+    16-bit GELUs: computed with HTP's phi."""
+    for node in graph.nodes:
+        softmax, sigmoid, gelu = _is(node, "aten._softmax") or _is(node, "aten.softmax"), _is(node, "aten.sigmoid"), \
+            _is(node, "aten.gelu")
+        if not (softmax and "softmax_exp15_floor" in models or sigmoid and "sigmoid_15bit_floor" in models
+                or gelu and "gelu_phi_table" in models):
+            continue
+        quantizes = _sixteen_bit_output_quantizes(node)
+        if _sixteen_bit_input(node.args[0]) is None or quantizes is None:
+            counts.pointwise_kept += 1
+            continue
+        if softmax:
+            node.target = htp_softmax
+            for quantize in quantizes:
+                quantize.target = quantize_per_tensor_floor
+            counts.softmaxes += 1
+        elif sigmoid:
+            if any((q.args[1], q.args[2]) != (1 / 65536, 0) for q in quantizes):  # QNN's fixed sigmoid encoding
+                counts.pointwise_kept += 1
+                continue
+            for quantize in quantizes:
+                quantize.target = quantize_sigmoid_fifteen_bits
+            counts.sigmoids += 1
+        else:
+            node.target = htp_gelu
+            counts.gelus += 1

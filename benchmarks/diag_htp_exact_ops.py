@@ -1,0 +1,128 @@
+"""Diagnostic: how much of HTP's logits each part of eval.htp_exact's arithmetic model accounts for.
+
+Whole-model perplexity on 8 windows cannot tell a few tenths of a percent apart, and top-1 agreement moves by about
+its own noise; the logits themselves can. The deployed HTP program (the run's cached `.pte`, x86 emulator) runs the
+first AR-N tokens (prefill graph, empty cache) of the first `--windows` evaluation windows; the prefill graph's QDQ
+program computes the same tokens with each QDQ arithmetic: the fake-quant program, htp_exact with every model
+(qexp/quant/htp_arithmetic.py), htp_exact without each one in turn (what that model contributes), and each model
+alone. Per arithmetic, against HTP's logits: SQNR (dB, whole tensor), the mean KL divergence between the two
+next-token distributions (nats per token) and top-1 agreement. Logged to MLflow (experiment `benchmarks`).
+
+    .venv/bin/python benchmarks/diag_htp_exact_ops.py [--windows 8] [hydra overrides, e.g. quant=16a8w]
+    .venv/bin/python benchmarks/diag_htp_exact_ops.py model=gemma3_270m quant=16a8w quant.block_size=64
+
+The QDQ program here is the deployed prefill graph's, on the inputs qexp's HTP runner gives it: where the two differ
+at all it is because of the arithmetic. SmolLM2 ~3 min once its `.pte` is cached; Gemma-3-270M ~13 GiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from benchmarks.common import benchmark_run  # noqa: E402
+
+
+def agreement(htp: torch.Tensor, qdq: torch.Tensor) -> dict:
+    """SQNR (dB) of the QDQ logits against HTP's, mean KL(HTP || QDQ) per position (nats) and top-1 agreement."""
+    htp, qdq = htp.double(), qdq.double()
+    noise = (htp - qdq).pow(2).mean().item()
+    sqnr = math.inf if noise == 0 else 10 * math.log10(htp.pow(2).mean().item() / noise)
+    log_p, log_q = torch.log_softmax(htp, -1), torch.log_softmax(qdq, -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
+    top1 = (htp.argmax(-1) == qdq.argmax(-1)).double().mean().item()
+    return {"logits_sqnr_db": sqnr, "kl_nats": kl, "top1": top1}
+
+
+def arithmetics() -> dict:
+    """{label: htp_exact models (None: the fake-quant program)}."""
+    from qexp.quant.htp_arithmetic import MODELS
+
+    variants = {"fake_quant": None, "htp_exact": MODELS}
+    variants.update({f"without {m}": tuple(x for x in MODELS if x != m) for m in MODELS})
+    variants.update({f"only {m}": (m,) for m in MODELS})
+    return variants
+
+
+def attribute(cfg, n_windows: int) -> tuple[dict, dict]:
+    """({arithmetic label: agreement with HTP}, facts: model, positions, emulator seconds, what htp_exact modelled)."""
+    from benchmarks.diag_htp_ops import first_chunk_inputs
+    from qexp.backends.htp.lower import PREFILL_GRAPH, _deploy_graph, compile_pte, graph_ar_lens
+    from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
+    from qexp.backends.htp.runner import HtpRunner
+    from qexp.pipeline import prepare
+    from qexp.provenance import library_versions
+    from qexp.quant.fold import with_weights_dequantized
+    from qexp.upstream.private import tree_leaves
+
+    state = prepare(cfg, through="qdq")
+    ensure_qnn_sdk(state.cache)
+    stats = torch.load(state.qdq.program.stats_path, weights_only=True)
+    graph = _deploy_graph(state.deploy_model, cfg, PREFILL_GRAPH, graph_ar_lens(cfg.backend)[PREFILL_GRAPH],
+                          state.static.r3, stats, state.timer)
+    deployed = compile_pte(state.deploy_model, cfg, state.qdq.program, state.static.r3, state.cache, state.timer,
+                           library_versions())
+    runner = HtpRunner(deployed)
+    windows = [state.windows.ids[w] for w in range(min(n_windows, len(state.windows.ids)))]
+    started = time.perf_counter()
+    inputs, htp = [], []
+    for ids in windows:
+        _, floats, ar = first_chunk_inputs(ids, graph["inputs"], graph["encodings"], int(cfg.backend.max_seq_len),
+                                           graph["meta"].get("get_sliding_window"))
+        inputs.append(floats)
+        htp.append(runner.prefill_logits([int(t) for t in ids[:ar]]))
+    htp = torch.cat(htp).float()
+    facts = {"positions": htp.shape[0], "tokens_per_window": ar, "windows": len(windows),
+             "emulator_s": time.perf_counter() - started}
+    lowering = str(cfg.backend.w4_lowering).split(".")[-1]  # how this run's HTP program gets 4-bit weights
+    rows = {}
+    for label, models in arithmetics().items():
+        program = with_weights_dequantized(graph["module"], None if models is None else lowering,
+                                           htp_exact_models=models)
+        if label == "htp_exact":
+            facts["modelled"] = program.htp_counts.describe()
+        with torch.no_grad():
+            qdq = torch.cat([tree_leaves(program(*floats))[0].float().reshape(ar, -1) for floats in inputs])
+        rows[label] = agreement(htp, qdq)
+        del program, qdq
+    return rows, facts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+
+    from hydra import compose, initialize_config_dir
+
+    import qexp.config  # noqa: F401
+    from qexp.tracking.store import resolve_uri
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=16a4w_wikitext", "backend=htp", *args.overrides])
+    rows, facts = attribute(cfg, args.windows)
+    print(f"{cfg.model.name} {cfg.quant.scheme}: the deployed HTP program (target=x86_emulator) against the prefill "
+          f"graph's QDQ program with each arithmetic, first {facts['tokens_per_window']} tokens of {facts['windows']} "
+          f"windows ({facts['positions']} positions; emulator {facts['emulator_s']:.0f} s); htp_exact: "
+          f"{facts['modelled']}")
+    print(f"  {'QDQ arithmetic':38s} {'logits SQNR':>11s} {'KL (nats)':>10s} {'top-1':>6s}")
+    for label, row in rows.items():
+        print(f"  {label:38s} {row['logits_sqnr_db']:8.2f} dB {row['kl_nats']:10.5f} {row['top1']:6.3f}")
+    results = {f"{label.replace(' ', '_')}_{k}": v for label, row in rows.items() for k, v in row.items()}
+    with benchmark_run(resolve_uri(cfg.tracking), f"diag_htp_exact_ops-{cfg.model.name}", "diag_htp_exact_ops",
+                       {"target": "x86_emulator", "model": cfg.model.name, "scheme": str(cfg.quant.scheme),
+                        "positions": str(facts["positions"])}):
+        mlflow.log_metrics({**results, "emulator_s": facts["emulator_s"]})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Diagnostic: HTP's 16-bit Softmax, Sigmoid and GELU against the QDQ program and eval.htp_exact.
+
+One op alone, quantized 16a8w with QnnQuantizer, lowered to HTP and run on the x86 HTP emulator: the sigmoid and the
+GELU on a ramp through all 65,536 codes of an input range (so the input encoding is that range exactly), the softmax
+on rows of Gaussian attention scores with a causal mask. For each input it prints, in the output's 16-bit codes, how
+far HTP is from: the fake-quant QDQ program, eval.htp_exact's program (qexp/quant/htp_arithmetic.py: softmax with
+a 15-bit exp and floored, sigmoid floored to 15 bits, GELU with HTP's measured phi) and a reference candidate
+(softmax floored without the 15-bit exp, sigmoid floored to 16 bits; erf-GELU): share of codes identical, mean (HTP minus model: a bias) and rms.
+
+    .venv/bin/python benchmarks/diag_htp_pointwise.py                       # both ops, several ranges
+    .venv/bin/python benchmarks/diag_htp_pointwise.py --write-gelu-table    # re-measure qexp/quant/htp_gelu_phi.csv
+
+--write-gelu-table measures phi(x) = 4096 * HTP(x) / x, averaged over a 1/128 grid of x, from the ranges [-1.5, 1.5]
+(|x| < 1.4, where the finer output step resolves phi) and [-8, 8] (the rest), and writes the table eval.htp_exact
+interpolates. The ranges scored afterwards are other ranges than those (except where marked "table's own").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import mlflow
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from benchmarks.common import benchmark_run  # noqa: E402
+
+TABLE_SOURCES = [(-1.5, 1.5, 0.0, 1.4), (-8.0, 8.0, 1.4, 8.0)]  # (input range, |x| taken from it)
+TABLE_STEP = 1 / 128
+RANGES = {"sigmoid": [(-16.0, 16.0), (-40.0, 25.0), (-6.0, 6.0)],
+          "gelu": [(-5.0, 5.0), (-12.0, 12.0), (-30.0, 20.0), (-8.0, 8.0)]}
+SOFTMAX_ROWS = [(64, 1.0), (128, 2.0), (256, 3.0)]  # (keys, score std)
+
+
+class Pointwise(torch.nn.Module):
+    def __init__(self, op: str):
+        super().__init__()
+        self.op = op
+
+    def forward(self, x):
+        if self.op == "sigmoid":
+            return torch.sigmoid(x)
+        if self.op == "softmax":
+            return torch.softmax(x, dim=-1)
+        return torch.nn.functional.gelu(x, approximate="tanh")  # what Gemma's MLP computes
+
+
+def on_htp(op: str, x: torch.Tensor, soc, with_model: bool = True) -> dict:
+    """The op alone quantized 16a8w on `x` (its calibration and its input), on the emulator, with the QDQ program
+    and (with_model) htp_exact's; outputs as codes of the output encoding."""
+    from executorch.backends.qualcomm.utils.utils import (
+        generate_htp_compiler_spec,
+        generate_qnn_executorch_compiler_spec,
+        to_edge_transform_and_lower_to_qnn,
+    )
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from qexp import upstream
+    from qexp.quant.fold import with_weights_dequantized
+    from qexp.upstream.private import load_program
+
+    quantizer = upstream.QnnQuantizer(soc_model=soc)
+    quantizer.set_default_quant_config(upstream.QuantDtype.use_16a8w)
+    prepared = prepare_pt2e(torch.export.export(Pointwise(op).eval(), (x,), strict=False).module(), quantizer)
+    with torch.no_grad():
+        prepared(x)
+    qdq = convert_pt2e(prepared)
+    quantizes = [n for n in qdq.graph.nodes if n.op == "call_function" and "quantize_per_tensor" in str(n.target)
+                 and "dequantize" not in str(n.target)]
+    (in_scale, in_zp), (out_scale, out_zp) = (tuple(q.args[1:3]) for q in (quantizes[0], quantizes[-1]))
+    edge = to_edge_transform_and_lower_to_qnn(qdq, (x,), generate_qnn_executorch_compiler_spec(
+        soc_model=soc, backend_options=generate_htp_compiler_spec(use_fp16=False)))
+    with tempfile.TemporaryDirectory() as tmp:
+        pte = Path(tmp) / f"{op}.pte"
+        pte.write_bytes(edge.to_executorch().buffer)
+        htp = load_program(str(pte)).forward((x,))[0]
+    exact = with_weights_dequantized(qdq, "lpbq") if with_model else None
+    with torch.no_grad():
+        fake, modelled = qdq(x), exact(x) if with_model else torch.full_like(x, float("nan"))
+
+    def codes(y):
+        return torch.round(y.double().flatten() / out_scale) + out_zp
+
+    x_q = torch.clamp(torch.round(x.double() / in_scale) + in_zp, 0, 65535)
+    counts = exact.htp_counts if with_model else None
+    return {"x": ((x_q - in_zp) * in_scale), "htp": codes(htp), "fake_quant": codes(fake),
+            "htp_exact": codes(modelled), "y_htp": htp.double().flatten(), "in": (in_scale, in_zp),
+            "out": (out_scale, out_zp),
+            "modelled": counts.softmaxes + counts.sigmoids + counts.gelus if with_model else 0}
+
+
+def all_codes_on_htp(op: str, lo: float, hi: float, soc, with_model: bool = True) -> dict:
+    """The op over every uint16 input code of [lo, hi] (a ramp: the input encoding is that range exactly)."""
+    scale = (hi - lo) / 65535
+    zero_point = round(-lo / scale)
+    x = ((torch.arange(65536, dtype=torch.float64) - zero_point) * scale).float().reshape(1, 1, 256, 256)
+    probe = on_htp(op, x, soc, with_model)
+    probe["x"] = probe["x"].flatten()
+    return probe
+
+
+def softmax_rows_on_htp(keys: int, std: float, soc) -> dict:
+    """Softmax over rows of Gaussian scores (8 heads, `keys` queries and keys, std `std`) with a causal mask of -255
+    (what the static llama adds), as attention computes it."""
+    generator = torch.Generator().manual_seed(keys)
+    scores = torch.randn(1, 8, keys, keys, generator=generator) * std
+    return on_htp("softmax", scores + torch.triu(torch.full((keys, keys), -255.0), diagonal=1), soc)
+
+
+def reference_candidate(op: str, probe: dict) -> tuple[str, torch.Tensor]:
+    x, (scale, zp) = probe["x"], probe["out"]
+    if op == "sigmoid":
+        return "floor_16bit", torch.clamp(torch.floor(torch.sigmoid(x) / scale) + zp, 0, 65535)
+    if op == "softmax":  # the program's softmax with a floored requantization, without the 15-bit exp
+        return "floor_only", torch.clamp(torch.floor(torch.softmax(x, -1).flatten() / scale) + zp, 0, 65535)
+    return "erf_gelu", torch.clamp(torch.round(torch.nn.functional.gelu(x) / scale) + zp, 0, 65535)
+
+
+def agreement(htp: torch.Tensor, model: torch.Tensor) -> dict:
+    difference = htp - model
+    return {"identical": (difference == 0).double().mean().item(), "mean": difference.mean().item(),
+            "rms": difference.pow(2).mean().sqrt().item()}
+
+
+def write_gelu_table(soc, path: Path) -> None:
+    sums = {}
+    for lo, hi, inner, outer in TABLE_SOURCES:
+        probe = all_codes_on_htp("gelu", lo, hi, soc, with_model=False)
+        x, y = probe["x"], probe["y_htp"]
+        keep = (x.abs() >= max(inner, 1 / 16)) & (x.abs() < outer)  # phi = y / x is unresolved right at 0
+        bins = torch.round(x[keep] / TABLE_STEP).long()
+        phi = 4096 * y[keep] / x[keep]
+        for b, value in zip(bins.tolist(), phi.tolist()):
+            total, count = sums.get(b, (0.0, 0))
+            sums[b] = (total + value, count + 1)
+    grid = torch.arange(round(-8 / TABLE_STEP), round(8 / TABLE_STEP) + 1)
+    known = torch.tensor(sorted(sums), dtype=torch.float64)
+    values = torch.tensor([sums[b][0] / sums[b][1] for b in sorted(sums)], dtype=torch.float64)
+    import numpy as np
+
+    phi = np.interp(grid.double().numpy(), known.numpy(), values.numpy())  # fills the bins around 0 linearly
+    lines = ["x,phi_4096"] + [f"{g * TABLE_STEP:.7f},{p:.3f}" for g, p in zip(grid.tolist(), phi.tolist())]
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path} ({len(lines) - 1} rows; phi at -8: {phi[0]:.2f}/4096, at 0: {phi[len(phi) // 2]:.1f}, at 8: "
+          f"{phi[-1]:.2f})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ops", default="softmax,sigmoid,gelu")
+    parser.add_argument("--write-gelu-table", action="store_true")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+
+    from hydra import compose, initialize_config_dir
+
+    import qexp.config  # noqa: F401
+    from qexp import upstream
+    from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
+    from qexp.cache import Cache
+    from qexp.quant.htp_arithmetic import GELU_PHI_TABLE, gelu_phi_table
+    from qexp.tracking.store import resolve_uri
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=16a4w_wikitext", *args.overrides])
+    ensure_qnn_sdk(Cache(cfg.cache_dir))
+    soc = getattr(upstream.QcomChipset, cfg.backend.soc.value)
+    if args.write_gelu_table:
+        write_gelu_table(soc, GELU_PHI_TABLE)
+        gelu_phi_table.cache_clear()
+
+    results = {}
+    for op in args.ops.split(","):
+        for lo, hi in RANGES[op] if op != "softmax" else SOFTMAX_ROWS:
+            if op == "softmax":
+                probe = softmax_rows_on_htp(lo, hi, soc)
+                what = f"rows of {lo} keys, scores std {hi:g}, causal mask"
+            else:
+                probe = all_codes_on_htp(op, lo, hi, soc)
+                own = " (table's own)" if op == "gelu" and (lo, hi) in [s[:2] for s in TABLE_SOURCES] else ""
+                what = f"inputs [{lo:g}, {hi:g}]{own}"
+            name, candidate = reference_candidate(op, probe)
+            print(f"{op} 16-bit, {what}, output step {probe['out'][0]:.3g} "
+                  f"(target=x86_emulator, {cfg.backend.soc.value}): HTP minus each model, in output codes")
+            for model, codes in [("fake_quant", probe["fake_quant"]), ("htp_exact", probe["htp_exact"]),
+                                 (name, candidate)]:
+                row = agreement(probe["htp"], codes)
+                results.update({f"{op}_{lo:g}_{hi:g}_{model}_{k}": v for k, v in row.items()})
+                print(f"  {model:12s} identical {100 * row['identical']:5.1f}%  mean {row['mean']:+6.2f}  "
+                      f"rms {row['rms']:6.2f}")
+            if op == "sigmoid":
+                odd = (probe["htp"] % 2 == 1).double().mean().item()
+                results[f"sigmoid_{lo:g}_{hi:g}_odd_codes"] = odd
+                print(f"  HTP's odd output codes: {100 * odd:.1f}%")
+    with benchmark_run(resolve_uri(cfg.tracking), "diag_htp_pointwise", "diag_htp_pointwise",
+                       {"target": "x86_emulator", "soc": cfg.backend.soc.value}):
+        mlflow.log_metrics({k.replace("-", "m").replace(".", "p"): v for k, v in results.items()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""benchmarks/diag_htp_exact_ops.py: the agreement measures against their definitions, and the attribution on the
+tiny model on the x86 HTP emulator (every arithmetic scored on the same HTP logits; a model of an op the program does
+not have scores as the fake-quant program, bit for bit)."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from helpers import REPO, TINY
+
+sys.path.insert(0, str(REPO))
+
+
+def test_agreement_measures():
+    from benchmarks.diag_htp_exact_ops import agreement
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 50, generator=generator)
+    same = agreement(logits, logits)
+    assert same["logits_sqnr_db"] == math.inf and abs(same["kl_nats"]) < 1e-12 and same["top1"] == 1
+    noisy = logits + 0.1 * torch.randn(16, 50, generator=generator)
+    row = agreement(logits, noisy)
+    assert 18 < row["logits_sqnr_db"] < 22  # signal power 1, noise 0.01: 20 dB
+    p, q = torch.softmax(logits.double(), -1), torch.softmax(noisy.double(), -1)
+    assert math.isclose(row["kl_nats"], (p * (p / q).log()).sum(-1).mean().item(), rel_tol=1e-9)
+
+
+def test_attribution_on_the_tiny_model(compose):
+    from benchmarks.diag_htp_exact_ops import arithmetics, attribute
+
+    cfg = compose(TINY + ["quant=16a8w", "backend=htp", "backend.prefill_ar_len=16"])
+    rows, facts = attribute(cfg, 2)
+    assert set(rows) == set(arithmetics()) and facts["positions"] == 2 * facts["tokens_per_window"]
+    assert rows["only gelu_phi_table"] == rows["fake_quant"]  # the llama has no GELU
+    assert all(row["kl_nats"] >= 0 and 0 < row["top1"] <= 1 for row in rows.values())
+    assert rows["htp_exact"] != rows["fake_quant"] and "softmaxes with a 15-bit exp" in facts["modelled"]
