@@ -4,9 +4,10 @@ Whole-model perplexity on 8 windows cannot tell a few tenths of a percent apart,
 its own noise; the logits themselves can. The deployed HTP program (the run's cached `.pte`, x86 emulator) runs the
 first AR-N tokens (prefill graph, empty cache) of the first `--windows` evaluation windows; the prefill graph's QDQ
 program computes the same tokens with each QDQ arithmetic: the fake-quant program, htp_exact with every model
-(qexp/quant/htp_arithmetic.py), htp_exact without each one in turn (what that model contributes), and each model
-alone. Per arithmetic, against HTP's logits: SQNR (dB, whole tensor), the mean KL divergence between the two
-next-token distributions (nats per token) and top-1 agreement. Logged to MLflow (experiment `benchmarks`).
+(qexp/quant/htp_arithmetic.py), with each candidate model added, htp_exact without each model in turn (what that
+model contributes), and each model alone. Per arithmetic, against HTP's logits: SQNR (dB, whole tensor), the mean KL
+divergence between the two next-token distributions (nats per token) and top-1 agreement. Logged to MLflow
+(experiment `benchmarks`).
 
     .venv/bin/python benchmarks/diag_htp_exact_ops.py [--windows 8] [hydra overrides, e.g. quant=16a8w]
     .venv/bin/python benchmarks/diag_htp_exact_ops.py model=gemma3_270m quant=16a8w quant.block_size=64
@@ -44,9 +45,10 @@ def agreement(htp: torch.Tensor, qdq: torch.Tensor) -> dict:
 
 def arithmetics() -> dict:
     """{label: htp_exact models (None: the fake-quant program)}."""
-    from qexp.quant.htp_arithmetic import MODELS
+    from qexp.quant.htp_arithmetic import CANDIDATE_MODELS, MODELS
 
     variants = {"fake_quant": None, "htp_exact": MODELS}
+    variants.update({f"htp_exact + {m}": MODELS + (m,) for m in CANDIDATE_MODELS})
     variants.update({f"without {m}": tuple(x for x in MODELS if x != m) for m in MODELS})
     variants.update({f"only {m}": (m,) for m in MODELS})
     return variants

@@ -1,13 +1,17 @@
-"""Diagnostic: HTP's 16-bit Softmax, Sigmoid and GELU against the QDQ program and eval.htp_exact.
+"""Diagnostic: HTP's 16-bit MatMul, Softmax, Sigmoid and GELU against the QDQ program and eval.htp_exact.
 
 One op alone, quantized 16a8w with QnnQuantizer, lowered to HTP and run on the x86 HTP emulator: the sigmoid and the
 GELU on a ramp through all 65,536 codes of an input range (so the input encoding is that range exactly), the softmax
-on rows of Gaussian attention scores with a causal mask. For each input it prints, in the output's 16-bit codes, how
-far HTP is from: the fake-quant QDQ program, eval.htp_exact's program (qexp/quant/htp_arithmetic.py: softmax with
-a 15-bit exp and floored, sigmoid floored to 15 bits, GELU with HTP's measured phi) and a reference candidate
-(softmax floored without the 15-bit exp, sigmoid floored to 16 bits; erf-GELU): share of codes identical, mean (HTP minus model: a bias) and rms.
+on rows of Gaussian attention scores with a causal mask, the matmul on Gaussian operands (the second one int16
+symmetric, as QNN quantizes it; given directly, and converted from a uint16 tensor as in the attention). For each
+input it prints, in the output's 16-bit codes, how far HTP is from: the fake-quant QDQ program, eval.htp_exact's
+program (qexp/quant/htp_arithmetic.py: softmax with a 15-bit exp and floored, sigmoid floored to 15 bits, GELU with
+HTP's measured phi; for the matmul, the candidate model that keeps the accumulator to 2**16 units) and a reference
+candidate (softmax floored
+without the 15-bit exp, sigmoid floored to 16 bits; erf-GELU): share of codes identical, mean (HTP minus model: a
+bias) and rms.
 
-    .venv/bin/python benchmarks/diag_htp_pointwise.py                       # both ops, several ranges
+    .venv/bin/python benchmarks/diag_htp_pointwise.py                       # every op, several inputs
     .venv/bin/python benchmarks/diag_htp_pointwise.py --write-gelu-table    # re-measure qexp/quant/htp_gelu_phi.csv
 
 --write-gelu-table measures phi(x) = 4096 * HTP(x) / x, averaged over a 1/128 grid of x, from the ranges [-1.5, 1.5]
@@ -103,6 +107,59 @@ def all_codes_on_htp(op: str, lo: float, hi: float, soc, with_model: bool = True
     return probe
 
 
+class Matmul(torch.nn.Module):
+    """a @ b, b either straight from the input (QNN quantizes it to int16 symmetric for the matmul) or, as in the
+    static llama's attention, through a uint16 tensor first (b * 0.5 * 2.0: exact on its codes), which HTP converts."""
+
+    def __init__(self, convert: bool):
+        super().__init__()
+        self.convert = convert
+
+    def forward(self, a, b):
+        return torch.matmul(a, b * 0.5 * 2.0 if self.convert else b)
+
+
+def matmul_on_htp(convert: bool, soc) -> dict:
+    """One 32x64 by 64x128 matmul of Gaussian activations (a offset so that its zero point is not 2**15) on the
+    emulator, with the QDQ program and htp_exact's; outputs as codes of the output encoding."""
+    from executorch.backends.qualcomm.utils.utils import (
+        generate_htp_compiler_spec,
+        generate_qnn_executorch_compiler_spec,
+        to_edge_transform_and_lower_to_qnn,
+    )
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from qexp import upstream
+    from qexp.quant.fold import with_weights_dequantized
+    from qexp.upstream.private import load_program
+
+    generator = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(1, 1, 32, 64, generator=generator) + 0.5, torch.randn(1, 1, 64, 128, generator=generator))
+    quantizer = upstream.QnnQuantizer(soc_model=soc)
+    quantizer.set_default_quant_config(upstream.QuantDtype.use_16a8w)
+    prepared = prepare_pt2e(torch.export.export(Matmul(convert).eval(), inputs, strict=False).module(), quantizer)
+    with torch.no_grad():
+        prepared(*inputs)
+    qdq = convert_pt2e(prepared)
+    out_scale, out_zp = [n.args[1:3] for n in qdq.graph.nodes if n.op == "call_function"
+                         and "quantize_per_tensor" in str(n.target) and "dequantize" not in str(n.target)][-1]
+    edge = to_edge_transform_and_lower_to_qnn(qdq, inputs, generate_qnn_executorch_compiler_spec(
+        soc_model=soc, backend_options=generate_htp_compiler_spec(use_fp16=False)))
+    with tempfile.TemporaryDirectory() as tmp:
+        pte = Path(tmp) / "matmul.pte"
+        pte.write_bytes(edge.to_executorch().buffer)
+        htp = load_program(str(pte)).forward(inputs)[0]
+    exact = with_weights_dequantized(qdq, "lpbq", htp_exact_models=("matmul_accumulator_floor",))
+    with torch.no_grad():
+        fake, modelled = qdq(*inputs), exact(*inputs)
+
+    def codes(y):
+        return torch.round(y.double().flatten() / out_scale) + out_zp
+
+    return {"htp": codes(htp), "fake_quant": codes(fake), "matmul_model": codes(modelled),
+            "modelled": exact.htp_counts.matmuls}
+
+
 def softmax_rows_on_htp(keys: int, std: float, soc) -> dict:
     """Softmax over rows of Gaussian scores (8 heads, `keys` queries and keys, std `std`) with a causal mask of -255
     (what the static llama adds), as attention computes it."""
@@ -151,7 +208,7 @@ def write_gelu_table(soc, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", default="softmax,sigmoid,gelu")
+    parser.add_argument("--ops", default="matmul,softmax,sigmoid,gelu")
     parser.add_argument("--write-gelu-table", action="store_true")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -174,7 +231,16 @@ def main() -> None:
         gelu_phi_table.cache_clear()
 
     results = {}
-    for op in args.ops.split(","):
+    for convert in [False, True] if "matmul" in args.ops.split(",") else []:
+        probe = matmul_on_htp(convert, soc)
+        print(f"matmul 16x16-bit, 32x64 by 64x128, b {'through a uint16 tensor (converted)' if convert else 'direct'} "
+              f"(target=x86_emulator, {cfg.backend.soc.value}): HTP minus each model, in output codes")
+        for model in ("fake_quant", "matmul_model"):
+            row = agreement(probe["htp"], probe[model])
+            results.update({f"matmul_{'converted' if convert else 'direct'}_{model}_{k}": v for k, v in row.items()})
+            print(f"  {model:12s} identical {100 * row['identical']:5.1f}%  mean {row['mean']:+6.2f}  "
+                  f"rms {row['rms']:6.2f}")
+    for op in [o for o in args.ops.split(",") if o != "matmul"]:
         for lo, hi in RANGES[op] if op != "softmax" else SOFTMAX_ROWS:
             if op == "softmax":
                 probe = softmax_rows_on_htp(lo, hi, soc)

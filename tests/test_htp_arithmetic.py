@@ -205,8 +205,13 @@ def test_models_can_be_left_out_one_by_one(compose):
     fake = window_logits(with_weights_dequantized(program), static, ids)
     nothing = with_weights_dequantized(program, "lpbq", htp_exact_models=())
     assert torch.equal(window_logits(nothing, static, ids), fake)
-    counts = {m: with_weights_dequantized(program, "lpbq", htp_exact_models=(m,)).htp_counts for m in MODELS}
+    from qexp.quant.htp_arithmetic import CANDIDATE_MODELS
+
+    counts = {m: with_weights_dequantized(program, "lpbq", htp_exact_models=(m,)).htp_counts
+              for m in MODELS + CANDIDATE_MODELS}
+    assert with_weights_dequantized(program, "lpbq").htp_counts.matmuls == 0  # a candidate: not in htp_exact
     assert counts["conv_accumulator_floor"].modelled > 0 and counts["conv_accumulator_floor"].norms == 0
+    assert counts["matmul_accumulator_floor"].matmuls == 4 and counts["matmul_accumulator_floor"].modelled == 0
     assert counts["rms_norm_floor"].norms == 5 and counts["rms_norm_floor"].modelled == 0
     assert counts["softmax_exp15_floor"].softmaxes == 2 and counts["softmax_exp15_floor"].sigmoids == 0
     assert counts["sigmoid_15bit_floor"].sigmoids == 2 and counts["sigmoid_15bit_floor"].softmaxes == 0

@@ -146,15 +146,20 @@ def test_cached_cpu_results_are_keyed_by_the_cpu_model(monkeypatch):
 
 def test_report_labels_htp_exact_rows():
     """Runs whose QDQ phase used HTP's integer arithmetic (eval.htp_exact) get a QDQ-arithmetic column and a note
-    when the table also holds fake-quant runs; a table of one arithmetic stays as it was."""
+    when the table also holds fake-quant runs, runs of an older model of it name that model; a table of one
+    arithmetic stays as it was."""
     from qexp.report import build_report
 
-    exact = {**HTP, "run_id": "exact", "tags.qdq_arithmetic": "htp_exact", "metrics.ppl_qdq": 24.15,
+    from qexp.quant.htp_arithmetic import MODELLED_OPS
+
+    exact = {**HTP, "run_id": "exact", "tags.qdq_arithmetic": "htp_exact", "metrics.ppl_qdq": 24.1,
+             "tags.htp_exact_model": MODELLED_OPS}
+    norms = {**HTP, "run_id": "norms", "tags.qdq_arithmetic": "htp_exact", "metrics.ppl_qdq": 24.15,
              "tags.htp_exact_model": "conv_accumulator_floor,rms_norm_floor"}
     older = {**HTP, "run_id": "older", "tags.qdq_arithmetic": "htp_exact", "metrics.ppl_qdq": 24.0}  # before norms
-    report = build_report(pd.DataFrame([HTP, exact, older]))
+    report = build_report(pd.DataFrame([HTP, exact, norms, older]))
     assert list(report.table.columns)[:3] == ["model", "scheme", "QDQ arithmetic"]
-    assert sorted(report.table["QDQ arithmetic"]) == ["fake_quant", "htp_exact (conv_accumulator_floor)",
+    assert sorted(report.table["QDQ arithmetic"]) == ["fake_quant", "htp_exact", "htp_exact (conv_accumulator_floor)",
                                                       "htp_exact (conv_accumulator_floor,rms_norm_floor)"]
     assert any("htp_exact" in note for note in report.notes)
     assert "QDQ arithmetic" not in build_report(pd.DataFrame([HTP])).table.columns

@@ -1,5 +1,5 @@
 """HTP's arithmetic for 16-bit-activation convolutions, linears, RMSNorms, softmaxes, sigmoids and GELUs, modelled in
-the QDQ program (eval.htp_exact).
+the QDQ program (eval.htp_exact); a candidate model of its matmul for the diagnostics.
 
 The QDQ (fake-quant) program computes each layer in float: y = conv(s_x (x_q - zp), s_w w_q). HTP computes it in
 integers, and with 16-bit activations it does not keep the whole accumulator. Measured on single layers through the
@@ -18,6 +18,17 @@ The weights w and their unit are what the kernel receives, which depends on the 
 Step 1 is computed in float64, where every partial sum is an integer below 2**53 (|w| <= 128, |x_q - 32768| <= 32768,
 a few thousand input channels), so it is exact. Layers with 8-bit activations or 16-bit weights keep the QDQ
 arithmetic (no measured model of their kernels); the pass returns how many layers it modelled and left.
+
+HTP's MatMul of two activations, a uint16 A (zero point za) and an int16 symmetric B, keeps its accumulator to 2**16
+units: T = floor(sum_k a_q b_q / 2**16) * 2**16, minus the
+zero-point correction za * sum_k b_q rounded to the same grid, requantized to nearest: 99.2-99.6% of its codes on the
+emulator, against 51-82% for the program's exact product, which sits 0.16-0.47 code above HTP depending on the
+encodings (three one-op probes: Gaussian operands with A's zero point 28487 and 1389, probabilities times values;
+benchmarks/diag_htp_pointwise.py; computed in float64, exact: |a_q b_q| < 2**31, a few hundred keys). But in these
+programs B (the attention's K and V) reaches the matmul through a uint16 tensor that HTP converts to int16 first,
+and how it converts is not modelled: 61-67% identical with any rounding of the conversion tried, the bias moved
+from -0.45 to -0.02 code on one operand pair and from -0.22 to +0.21 on another. So the matmul model
+(htp_matmul, "matmul_accumulator_floor") is a candidate the diagnostics can add, not part of eval.htp_exact.
 
 HTP's RMSNorm with a uint16 input and output requantizes its result with a floor, not to nearest: on one norm alone
 on the emulator (640 channels, gains 1 + |N(0, 0.1)| and 1 + 50 |N(0, 1)|), 99.9% of its outputs are floor(y / s) of
@@ -71,18 +82,24 @@ log = logging.getLogger("qexp")
 
 CENTRE = 32768  # HTP re-centres uint16 activations on 2**15
 DROPPED = 256  # the accumulator's low 8 bits, dropped with a floor
+MATMUL_DROPPED = 1 << 16  # a 16x16-bit matmul's accumulator keeps multiples of 2**16
 SCALE_STEPS = 16  # LPBQ block scales are 4-bit multiples of max_b(s_b) / 16
 
 
 # what the pass models, tagged on runs (htp_exact_model); a sweep does not resume from a run with another one
 MODELLED_OPS = "conv_accumulator_floor,rms_norm_floor,softmax_exp15_floor,sigmoid_15bit_floor,gelu_phi_table"
 MODELS = tuple(MODELLED_OPS.split(","))  # each can be left out (model_htp_arithmetic's `models`) to measure it
+# measured on the emulator but not where these programs use it, so not part of eval.htp_exact (module docstring);
+# the diagnostics can add it
+CANDIDATE_MODELS = ("matmul_accumulator_floor",)
 
 
 @dataclass
 class ModelledCounts:
     modelled: int = 0  # layers now computed with HTP's integer arithmetic
     kept: int = 0  # convolutions / linears left in float (8-bit activations, 16-bit weights, unknown encodings)
+    matmuls: int = 0  # uint16 x int16 activation matmuls now computed with HTP's accumulator
+    matmuls_kept: int = 0  # matmuls of other encodings, left as the program computes them
     norms: int = 0  # 16-bit RMSNorm outputs now requantized with a floor
     norms_kept: int = 0  # RMSNorms left rounding to nearest (8-bit input or output)
     softmaxes: int = 0  # 16-bit softmaxes now computed with HTP's 15-bit exp, their output floored
@@ -92,6 +109,7 @@ class ModelledCounts:
 
     def describe(self) -> str:
         return (f"{self.modelled} layers with HTP's integer arithmetic, {self.kept} left as fake-quant; "
+                f"{self.matmuls} matmuls with HTP's accumulator, {self.matmuls_kept} left; "
                 f"{self.norms} RMSNorm outputs floored, {self.norms_kept} left; {self.softmaxes} softmaxes with a "
                 f"15-bit exp, {self.sigmoids} sigmoids at 15 bits, {self.gelus} GELUs with HTP's phi, "
                 f"{self.pointwise_kept} left")
@@ -193,6 +211,15 @@ def htp_linear(x_q: torch.Tensor, x_scale: float, x_zp: int, w: torch.Tensor, un
     return y.to(torch.float32)
 
 
+def htp_matmul(a_q: torch.Tensor, a_scale: float, a_zp: int, b_q: torch.Tensor, b_scale: float) -> torch.Tensor:
+    """A matmul of a uint16 activation (zero point a_zp) by an int16 symmetric one as HTP computes it (module
+    docstring); float32 output before requantization."""
+    a, b = a_q.to(torch.float64), b_q.to(torch.float64)
+    kept = torch.floor(torch.matmul(a, b) / MATMUL_DROPPED) * MATMUL_DROPPED
+    correction = torch.round(a_zp * b.sum(dim=-2, keepdim=True) / MATMUL_DROPPED) * MATMUL_DROPPED
+    return ((kept - correction) * (a_scale * b_scale)).to(torch.float32)
+
+
 def _is(node, name: str) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and name in str(node.target)
 
@@ -207,6 +234,16 @@ def _sixteen_bit_input(node):
     if not isinstance(scale, (float, int)) or not isinstance(zp, int):
         return None
     return q, float(scale), zp
+
+
+def _sixteen_bit_symmetric_input(node):
+    """(x_q node, scale) when `node` dequantizes an int16 symmetric activation, else None."""
+    if not _is(node, "dequantize_per_tensor"):
+        return None
+    q, scale, zp, qmin, qmax = node.args[:5]
+    if not isinstance(q, torch.fx.Node) or q.op == "get_attr" or (qmin, qmax) != (-32767, 32767) or zp != 0:
+        return None
+    return (q, float(scale)) if isinstance(scale, (float, int)) else None
 
 
 def _weight(module, node):
@@ -240,12 +277,14 @@ def _weight(module, node):
 def model_htp_arithmetic(module: torch.fx.GraphModule, w4_lowering: str = "lpbq",
                          models: tuple = MODELS) -> ModelledCounts:
     """Replace, in place, every 1x1 convolution / linear with a uint16 input and <= 8-bit symmetric weights by HTP's
-    integer arithmetic, floor every 16-bit RMSNorm's output quantization, and give 16-bit softmaxes, sigmoids and GELUs
-    HTP's arithmetic (module docstring). Run it before fold_weight_dequantize: it reads the integer weights.
-    `models`: which of MODELS to apply (all in qexp runs; benchmarks/diag_htp_exact_ops.py leaves each out in turn)."""
-    unknown = set(models) - set(MODELS)
+    integer arithmetic, floor every 16-bit RMSNorm's output quantization, and give 16-bit softmaxes, sigmoids and
+    GELUs HTP's arithmetic (module docstring). Run it before fold_weight_dequantize: it reads the integer weights.
+    `models`: which of MODELS (and CANDIDATE_MODELS: uint16 x int16 activation matmuls) to apply; qexp runs apply
+    MODELS, benchmarks/diag_htp_exact_ops.py leaves each out in turn and adds the candidates."""
+    unknown = set(models) - set(MODELS) - set(CANDIDATE_MODELS)
     if unknown:
-        raise ValueError(f"unknown HTP arithmetic models {sorted(unknown)}; known: {', '.join(MODELS)}")
+        raise ValueError(f"unknown HTP arithmetic models {sorted(unknown)}; known: "
+                         f"{', '.join(MODELS + CANDIDATE_MODELS)}")
     counts = ModelledCounts()
     graph = module.graph
     for node in list(graph.nodes) if "conv_accumulator_floor" in models else []:
@@ -291,12 +330,37 @@ def model_htp_arithmetic(module: torch.fx.GraphModule, w4_lowering: str = "lpbq"
                     if not source.users:
                         graph.erase_node(source)
         counts.modelled += 1
+    if "matmul_accumulator_floor" in models:
+        _model_matmuls(module, counts)
     if "rms_norm_floor" in models:
         _floor_norm_outputs(graph, counts)
     _model_pointwise(graph, counts, models)
     graph.lint()
     module.recompile()
     return counts
+
+
+def _model_matmuls(module: torch.fx.GraphModule, counts: ModelledCounts) -> None:
+    """Replace, in place, every matmul of a uint16 activation by an int16 symmetric one with htp_matmul."""
+    graph = module.graph
+    for node in list(graph.nodes):
+        if not (_is(node, "aten.matmul") or _is(node, "aten.bmm")):
+            continue
+        a_arg, b_arg = node.args[:2]
+        a, b = _sixteen_bit_input(a_arg), _sixteen_bit_symmetric_input(b_arg)
+        if a is None or b is None:
+            counts.matmuls_kept += 1
+            continue
+        (a_q, a_scale, a_zp), (b_q, b_scale) = a, b
+        with graph.inserting_before(node):
+            replacement = graph.call_function(htp_matmul, (a_q, a_scale, a_zp, b_q, b_scale))
+        replacement.meta.update(node.meta)
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+        for dead in (a_arg, b_arg):
+            if isinstance(dead, torch.fx.Node) and not dead.users:
+                graph.erase_node(dead)
+        counts.matmuls += 1
 
 
 def _floor_norm_outputs(graph: torch.fx.Graph, counts: ModelledCounts) -> None:

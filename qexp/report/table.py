@@ -79,11 +79,15 @@ def _derived(runs: pd.DataFrame) -> pd.DataFrame:
     runs["algorithm"] = column(runs, "tags.algorithm").fillna(_algorithms_from_params(runs)).fillna("RTN").replace(
         "", "RTN")
     runs["kv_mode"] = column(runs, "params.backend.kv_update").fillna("-")  # logged only by backends that have one
-    # fake_quant (float, what the QDQ program computes) or htp_exact (eval.htp_exact: HTP's arithmetic), the latter
-    # with what it modelled: runs from before 16-bit RMSNorms were floored modelled the convolutions only
+    # fake_quant (float, what the QDQ program computes) or htp_exact (eval.htp_exact: HTP's arithmetic); an
+    # htp_exact run computed by an older model than this code's says which (runs from before 16-bit RMSNorms were
+    # floored carry no tag: they modelled the convolutions only)
+    from qexp.quant.htp_arithmetic import MODELLED_OPS
+
     arithmetic = column(runs, "tags.qdq_arithmetic").fillna("fake_quant")
     modelled = column(runs, "tags.htp_exact_model").fillna("conv_accumulator_floor")
-    runs["qdq_arithmetic"] = arithmetic.where(arithmetic != "htp_exact", "htp_exact (" + modelled + ")")
+    older = (arithmetic == "htp_exact") & (modelled != MODELLED_OPS)
+    runs["qdq_arithmetic"] = arithmetic.where(~older, "htp_exact (" + modelled + ")")
     target = column(runs, "tags.target")
     runs["target"] = target.where(target.notna(), "pytorch")
     runs["pte_mb"] = num("metrics.pte_bytes") / 1e6
@@ -249,10 +253,11 @@ def build_report(runs: pd.DataFrame, columns: Optional[Sequence[str]] = None, al
         notes.append(f"Mixed evaluation settings (--allow-mixed): {mixed}. Compare rows only within a group.")
     if arithmetics:
         notes.append("QDQ arithmetic: `fake_quant` rows evaluate the QDQ program in float (PyTorch's fake quantization), "
-                     "`htp_exact` rows with HTP's arithmetic as modelled then (eval.htp_exact: in brackets; "
-                     "conv_accumulator_floor: the 16-bit convolutions' accumulator floor and rounded zero-point "
-                     "correction; rms_norm_floor: 16-bit RMSNorm outputs requantized with a floor); compare QDQ "
-                     "perplexities within one arithmetic.")
+                     "`htp_exact` rows with HTP's arithmetic as qexp models it (eval.htp_exact: the 16-bit "
+                     "convolutions' accumulator floor and rounded zero-point correction, 16-bit RMSNorm outputs "
+                     "floored, softmax with a 15-bit exp and floored, sigmoid at 15 bits, GELU with HTP's phi); rows "
+                     "computed by an older model name it in brackets (conv_accumulator_floor: the convolutions only; "
+                     "rms_norm_floor: with the norms); compare QDQ perplexities within one arithmetic.")
     notes += _notes(runs, chosen)
     if table.attrs["ci"]:
         notes.append("[low, high]: 95% interval of a Δ, paired bootstrap over the evaluation windows (32-token blocks "
