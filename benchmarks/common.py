@@ -124,3 +124,50 @@ def weight_only_evaluation(cfg, model, windows, weights: dict, label: str, befor
         before_eval(static)
     with torch.no_grad():
         return evaluate(lambda ids: window_logits(static.module, static, ids), windows, label)
+
+
+def emulator_config(overrides: list):
+    """(cfg, QNN chipset) for the one-op emulator diagnostics: the default experiment's config with `overrides`, the
+    QNN SDK libraries in place (diag_htp_norm.py, diag_htp_pointwise.py)."""
+    from hydra import compose, initialize_config_dir
+
+    import qexp.config  # noqa: F401
+    from qexp import upstream
+    from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
+    from qexp.cache import Cache
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=16a4w_wikitext", *overrides])
+    ensure_qnn_sdk(Cache(cfg.cache_dir))
+    return cfg, getattr(upstream.QcomChipset, cfg.backend.soc.value)
+
+
+def quantized_on_htp(module, calibration: tuple, inputs: tuple, soc):
+    """(HTP's output on `inputs`, the QDQ program) of `module` quantized 16a8w with QnnQuantizer on `calibration`
+    (then `inputs`), lowered to HTP for `soc` and run on the x86 HTP emulator."""
+    import tempfile
+
+    import torch
+    from executorch.backends.qualcomm.utils.utils import (
+        generate_htp_compiler_spec,
+        generate_qnn_executorch_compiler_spec,
+        to_edge_transform_and_lower_to_qnn,
+    )
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from qexp import upstream
+    from qexp.upstream.private import load_program
+
+    quantizer = upstream.QnnQuantizer(soc_model=soc)
+    quantizer.set_default_quant_config(upstream.QuantDtype.use_16a8w)
+    prepared = prepare_pt2e(torch.export.export(module, inputs, strict=False).module(), quantizer)
+    with torch.no_grad():
+        prepared(*calibration)
+        prepared(*inputs)
+    qdq = convert_pt2e(prepared)
+    edge = to_edge_transform_and_lower_to_qnn(qdq, inputs, generate_qnn_executorch_compiler_spec(
+        soc_model=soc, backend_options=generate_htp_compiler_spec(use_fp16=False)))
+    with tempfile.TemporaryDirectory() as tmp:
+        pte = Path(tmp) / "op.pte"
+        pte.write_bytes(edge.to_executorch().buffer)
+        return load_program(str(pte)).forward(inputs)[0], qdq

@@ -1,4 +1,4 @@
-"""Diagnostic: one RMSNorm (or GELU) of a model, lowered alone, on HTP vs its QDQ program, on the model's real inputs.
+"""Diagnostic: one RMSNorm of a model, lowered alone, on HTP vs its QDQ program, on the model's real inputs.
 
 The op's inputs are captured in the float static llama (qexp's deploy model: Gemma's `(1 + w)` gains folded) on the
 first evaluation window; half its positions calibrate a one-op 16a8w program (the op's activations at 16 bits, as
@@ -7,51 +7,27 @@ gains?), and on Gaussian rows of the same per-position rms (is it the inputs' sh
 whole tensor, the first position and the median of the others (`x86_emulator`), and QDQ vs fp32.
 
     .venv/bin/python benchmarks/diag_htp_norm.py model=gemma3_270m --module layers.8.ffn_norm
-    .venv/bin/python benchmarks/diag_htp_norm.py model=gemma3_270m --gelu      # tanh-GELU on a grid of inputs
 
-QNN's Gelu ignores `approximate` (executorch/backends/qualcomm/builders/op_gelu.py): --gelu says whether HTP's GELU
-is closer to the tanh form the QDQ program computes or to the erf form.
+HTP's GELU, softmax and sigmoid over every input code: benchmarks/diag_htp_pointwise.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks.common import emulator_config, quantized_on_htp  # noqa: E402
 from qexp.eval.compare import position_sqnrs_db, sqnr_db  # noqa: E402
 
 
 def on_htp(module: torch.nn.Module, calibration: torch.Tensor, test: torch.Tensor, soc):
     """(HTP's output, the QDQ program's output, fp32 output) of `module` quantized 16a8w on `calibration`."""
-    from executorch.backends.qualcomm.utils.utils import (
-        generate_htp_compiler_spec,
-        generate_qnn_executorch_compiler_spec,
-        to_edge_transform_and_lower_to_qnn,
-    )
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
-    from qexp import upstream
-    from qexp.upstream.private import load_program
-
-    quantizer = upstream.QnnQuantizer(soc_model=soc)
-    quantizer.set_default_quant_config(upstream.QuantDtype.use_16a8w)
-    prepared = prepare_pt2e(torch.export.export(module, (test,), strict=False).module(), quantizer)
-    with torch.no_grad():
-        prepared(calibration)
-        prepared(test)
-    qdq = convert_pt2e(prepared)
-    edge = to_edge_transform_and_lower_to_qnn(qdq, (test,), generate_qnn_executorch_compiler_spec(
-        soc_model=soc, backend_options=generate_htp_compiler_spec(use_fp16=False)))
-    with tempfile.TemporaryDirectory() as tmp:
-        pte = Path(tmp) / "op.pte"
-        pte.write_bytes(edge.to_executorch().buffer)
-        htp = load_program(pte).forward((test,))[0]
+    htp, qdq = quantized_on_htp(module, (calibration,), (test,), soc)
     with torch.no_grad():
         return htp, qdq(test), module(test)
 
@@ -77,35 +53,10 @@ def captured_inputs(cfg, names: list) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--module", default="layers.8.ffn_norm", help="RMSNorms of the static llama (comma list)")
-    parser.add_argument("--gelu", action="store_true", help="HTP's 16-bit GELU on a grid instead")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
-    from hydra import compose, initialize_config_dir
-
-    import qexp.config  # noqa: F401
-    from qexp import upstream
-    from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
-    from qexp.cache import Cache
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["+experiment=16a4w_wikitext", *args.overrides])
-    ensure_qnn_sdk(Cache(cfg.cache_dir))
-    soc = getattr(upstream.QcomChipset, cfg.backend.soc.value)
-
-    if args.gelu:
-        class Gelu(torch.nn.Module):
-            def forward(self, x):
-                return torch.nn.functional.gelu(x, approximate="tanh")
-
-        x = torch.linspace(-8, 8, 4096).reshape(1, 1, 64, 64)
-        htp, qdq, _ = on_htp(Gelu().eval(), x, x, soc)
-        tanh, erf = torch.nn.functional.gelu(x, approximate="tanh"), torch.nn.functional.gelu(x)
-        print(f"tanh-GELU, 16-bit, inputs [-8, 8] (target=x86_emulator): HTP vs QDQ {sqnr_db(qdq, htp):.1f} dB; "
-              f"HTP vs tanh {sqnr_db(tanh, htp):.1f} dB, vs erf {sqnr_db(erf, htp):.1f} dB; max |HTP - QDQ| "
-              f"{(htp - qdq).abs().max():.2e}; max |tanh - erf| {(tanh - erf).abs().max():.2e}")
-        return
-
+    cfg, soc = emulator_config(args.overrides)
     for name, (x, norm) in captured_inputs(cfg, args.module.split(",")).items():
         report_norm(cfg.model.name, name, x, norm, soc)
 

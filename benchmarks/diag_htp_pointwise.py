@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 import mlflow
@@ -31,7 +30,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from benchmarks.common import benchmark_run  # noqa: E402
+from benchmarks.common import benchmark_run, emulator_config, quantized_on_htp  # noqa: E402
 
 TABLE_SOURCES = [(-1.5, 1.5, 0.0, 1.4), (-8.0, 8.0, 1.4, 8.0)]  # (input range, |x| taken from it)
 TABLE_STEP = 1 / 128
@@ -56,32 +55,12 @@ class Pointwise(torch.nn.Module):
 def on_htp(op: str, x: torch.Tensor, soc, with_model: bool = True) -> dict:
     """The op alone quantized 16a8w on `x` (its calibration and its input), on the emulator, with the QDQ program
     and (with_model) htp_exact's; outputs as codes of the output encoding."""
-    from executorch.backends.qualcomm.utils.utils import (
-        generate_htp_compiler_spec,
-        generate_qnn_executorch_compiler_spec,
-        to_edge_transform_and_lower_to_qnn,
-    )
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
-    from qexp import upstream
     from qexp.quant.fold import with_weights_dequantized
-    from qexp.upstream.private import load_program
 
-    quantizer = upstream.QnnQuantizer(soc_model=soc)
-    quantizer.set_default_quant_config(upstream.QuantDtype.use_16a8w)
-    prepared = prepare_pt2e(torch.export.export(Pointwise(op).eval(), (x,), strict=False).module(), quantizer)
-    with torch.no_grad():
-        prepared(x)
-    qdq = convert_pt2e(prepared)
+    htp, qdq = quantized_on_htp(Pointwise(op).eval(), (x,), (x,), soc)
     quantizes = [n for n in qdq.graph.nodes if n.op == "call_function" and "quantize_per_tensor" in str(n.target)
                  and "dequantize" not in str(n.target)]
     (in_scale, in_zp), (out_scale, out_zp) = (tuple(q.args[1:3]) for q in (quantizes[0], quantizes[-1]))
-    edge = to_edge_transform_and_lower_to_qnn(qdq, (x,), generate_qnn_executorch_compiler_spec(
-        soc_model=soc, backend_options=generate_htp_compiler_spec(use_fp16=False)))
-    with tempfile.TemporaryDirectory() as tmp:
-        pte = Path(tmp) / f"{op}.pte"
-        pte.write_bytes(edge.to_executorch().buffer)
-        htp = load_program(str(pte)).forward((x,))[0]
     exact = with_weights_dequantized(qdq, "lpbq") if with_model else None
     with torch.no_grad():
         fake, modelled = qdq(x), exact(x) if with_model else torch.full_like(x, float("nan"))
@@ -121,34 +100,14 @@ class Matmul(torch.nn.Module):
 
 def matmul_on_htp(convert: bool, soc) -> dict:
     """One 32x64 by 64x128 matmul of Gaussian activations (a offset so that its zero point is not 2**15) on the
-    emulator, with the QDQ program and htp_exact's; outputs as codes of the output encoding."""
-    from executorch.backends.qualcomm.utils.utils import (
-        generate_htp_compiler_spec,
-        generate_qnn_executorch_compiler_spec,
-        to_edge_transform_and_lower_to_qnn,
-    )
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
-    from qexp import upstream
+    emulator, with the QDQ program and the candidate matmul model's; outputs as codes of the output encoding."""
     from qexp.quant.fold import with_weights_dequantized
-    from qexp.upstream.private import load_program
 
     generator = torch.Generator().manual_seed(0)
     inputs = (torch.randn(1, 1, 32, 64, generator=generator) + 0.5, torch.randn(1, 1, 64, 128, generator=generator))
-    quantizer = upstream.QnnQuantizer(soc_model=soc)
-    quantizer.set_default_quant_config(upstream.QuantDtype.use_16a8w)
-    prepared = prepare_pt2e(torch.export.export(Matmul(convert).eval(), inputs, strict=False).module(), quantizer)
-    with torch.no_grad():
-        prepared(*inputs)
-    qdq = convert_pt2e(prepared)
+    htp, qdq = quantized_on_htp(Matmul(convert).eval(), inputs, inputs, soc)
     out_scale, out_zp = [n.args[1:3] for n in qdq.graph.nodes if n.op == "call_function"
                          and "quantize_per_tensor" in str(n.target) and "dequantize" not in str(n.target)][-1]
-    edge = to_edge_transform_and_lower_to_qnn(qdq, inputs, generate_qnn_executorch_compiler_spec(
-        soc_model=soc, backend_options=generate_htp_compiler_spec(use_fp16=False)))
-    with tempfile.TemporaryDirectory() as tmp:
-        pte = Path(tmp) / "matmul.pte"
-        pte.write_bytes(edge.to_executorch().buffer)
-        htp = load_program(str(pte)).forward(inputs)[0]
     exact = with_weights_dequantized(qdq, "lpbq", htp_exact_models=("matmul_accumulator_floor",))
     with torch.no_grad():
         fake, modelled = qdq(*inputs), exact(*inputs)
@@ -213,19 +172,10 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
-    from hydra import compose, initialize_config_dir
-
-    import qexp.config  # noqa: F401
-    from qexp import upstream
-    from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
-    from qexp.cache import Cache
     from qexp.quant.htp_arithmetic import GELU_PHI_TABLE, gelu_phi_table
     from qexp.tracking.store import resolve_uri
 
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["+experiment=16a4w_wikitext", *args.overrides])
-    ensure_qnn_sdk(Cache(cfg.cache_dir))
-    soc = getattr(upstream.QcomChipset, cfg.backend.soc.value)
+    cfg, soc = emulator_config(args.overrides)
     if args.write_gelu_table:
         write_gelu_table(soc, GELU_PHI_TABLE)
         gelu_phi_table.cache_clear()
