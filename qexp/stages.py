@@ -210,6 +210,9 @@ def qdq(state) -> None:
                      folded.htp_counts.describe())
             state.metrics["htp_exact_layers"] = folded.htp_counts.modelled
             state.metrics["htp_exact_norms"] = folded.htp_counts.norms
+            state.metrics["htp_exact_softmaxes"] = folded.htp_counts.softmaxes
+            state.metrics["htp_exact_sigmoids"] = folded.htp_counts.sigmoids
+            state.metrics["htp_exact_gelus"] = folded.htp_counts.gelus
             state.tags["htp_exact_model"] = MODELLED_OPS  # runs before norms were modelled have no such tag
         result = evaluate(lambda ids: window_logits(folded, static, ids), state.windows, "QDQ",
                           keep_logits=SQNR_WINDOWS)

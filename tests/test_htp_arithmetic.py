@@ -125,6 +125,8 @@ def test_htp_exact_run_is_tagged_and_not_paired_with_fake_quant(compose):
     assert fake.tags["qdq_arithmetic"] == "fake_quant" and exact.tags["qdq_arithmetic"] == "htp_exact"
     assert exact.metrics["htp_exact_layers"] > 0 and "htp_exact_layers" not in fake.metrics
     assert exact.metrics["htp_exact_norms"] == 5 and exact.tags["htp_exact_model"] == MODELLED_OPS
+    assert exact.metrics["htp_exact_softmaxes"] == exact.metrics["htp_exact_sigmoids"] == 2  # model=tiny: 2 layers
+    assert exact.metrics["htp_exact_gelus"] == 0
     assert "htp_exact_model" not in fake.tags
     assert exact.metrics["ppl_qdq"] != fake.metrics["ppl_qdq"]
     assert exact.tags["qdq_cache_key"] == fake.tags["qdq_cache_key"]  # same quantization, only the arithmetic differs

@@ -20,15 +20,15 @@ a few thousand input channels), so it is exact. Layers with 8-bit activations or
 arithmetic (no measured model of their kernels); the pass returns how many layers it modelled and left.
 
 HTP's MatMul of two activations, a uint16 A (zero point za) and an int16 symmetric B, keeps its accumulator to 2**16
-units: T = floor(sum_k a_q b_q / 2**16) * 2**16, minus the
-zero-point correction za * sum_k b_q rounded to the same grid, requantized to nearest: 99.2-99.6% of its codes on the
-emulator, against 51-82% for the program's exact product, which sits 0.16-0.47 code above HTP depending on the
-encodings (three one-op probes: Gaussian operands with A's zero point 28487 and 1389, probabilities times values;
-benchmarks/diag_htp_pointwise.py; computed in float64, exact: |a_q b_q| < 2**31, a few hundred keys). But in these
-programs B (the attention's K and V) reaches the matmul through a uint16 tensor that HTP converts to int16 first,
-and how it converts is not modelled: 61-67% identical with any rounding of the conversion tried, the bias moved
-from -0.45 to -0.02 code on one operand pair and from -0.22 to +0.21 on another. So the matmul model
-(htp_matmul, "matmul_accumulator_floor") is a candidate the diagnostics can add, not part of eval.htp_exact.
+units: T = floor(sum_k a_q b_q / 2**16) * 2**16, minus the zero-point correction za * sum_k b_q rounded to the same
+grid, requantized to nearest: 99.0-99.6% of its codes on the emulator, against 50-82% for the program's exact
+product, which sits 0.16-0.48 code above HTP depending on the encodings (one-op probes: Gaussian operands with A's
+zero point 28487 and 1389, probabilities times values; benchmarks/diag_htp_pointwise.py; computed in float64,
+exact: |a_q b_q| < 2**31, a few hundred keys). But in these programs B (the attention's K and V) reaches the matmul
+through a uint16 tensor that HTP converts to int16 first, and how it converts is not modelled: 61-67% identical with
+any rounding of the conversion tried, the bias moved from -0.45 to -0.02 code on one operand pair and from -0.22 to
++0.21 on another. So the matmul model (htp_matmul, "matmul_accumulator_floor") is a candidate the diagnostics can
+add, not part of eval.htp_exact.
 
 HTP's RMSNorm with a uint16 input and output requantizes its result with a floor, not to nearest: on one norm alone
 on the emulator (640 channels, gains 1 + |N(0, 0.1)| and 1 + 50 |N(0, 1)|), 99.9% of its outputs are floor(y / s) of
