@@ -53,7 +53,8 @@ def with_weights_dequantized(module: torch.fx.GraphModule, htp_exact_w4_lowering
     if htp_exact_w4_lowering is not None:
         from qexp.quant.htp_arithmetic import MODELS, model_htp_arithmetic
 
-        folded.htp_counts = model_htp_arithmetic(folded, htp_exact_w4_lowering, MODELS if htp_exact_models is None else htp_exact_models)
+        models = MODELS if htp_exact_models is None else htp_exact_models
+        folded.htp_counts = model_htp_arithmetic(folded, htp_exact_w4_lowering, models)
     fold_weight_dequantize(folded)
     if fuse_activations:  # off only to measure what it saves (benchmarks/bench_qdq_eval.py)
         fuse_activation_fake_quant(folded)
