@@ -25,10 +25,11 @@ grid, requantized to nearest: 99.0-99.6% of its codes on the emulator, against 5
 product, which sits 0.16-0.48 code above HTP depending on the encodings (one-op probes: Gaussian operands with A's
 zero point 28487 and 1389, probabilities times values; benchmarks/diag_htp_pointwise.py; computed in float64,
 exact: |a_q b_q| < 2**31, a few hundred keys). But in these programs B (the attention's K and V) reaches the matmul
-through a uint16 tensor that HTP converts to int16 first, and how it converts is not modelled: 61-67% identical with
-any rounding of the conversion tried, the bias moved from -0.45 to -0.02 code on one operand pair and from -0.22 to
-+0.21 on another. So the matmul model (htp_matmul, "matmul_accumulator_floor") is a candidate the diagnostics can
-add, not part of eval.htp_exact.
+through a uint16 tensor that HTP converts to int16 first, and its conversion is not reproduced: it rounds to
+nearest for ~95% of values and is one code off for the rest (read back through an identity matmul, one-off probe; no
+fixed-point multiplier of 8-31 bits fits), which leaves the model 61-67% identical there, the bias moved from -0.45
+to -0.02 code on one operand pair and from -0.22 to +0.21 on another. So the matmul model (htp_matmul,
+"matmul_accumulator_floor") is a candidate the diagnostics can add, not part of eval.htp_exact.
 
 HTP's RMSNorm with a uint16 input and output requantizes its result with a floor, not to nearest: on one norm alone
 on the emulator (640 channels, gains 1 + |N(0, 0.1)| and 1 + 50 |N(0, 1)|), 99.9% of its outputs are floor(y / s) of
