@@ -19,7 +19,6 @@ at all it is because of the arithmetic. SmolLM2 ~3 min once its `.pte` is cached
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -34,13 +33,12 @@ from benchmarks.common import benchmark_run  # noqa: E402
 
 def agreement(htp: torch.Tensor, qdq: torch.Tensor) -> dict:
     """SQNR (dB) of the QDQ logits against HTP's, mean KL(HTP || QDQ) per position (nats) and top-1 agreement."""
-    htp, qdq = htp.double(), qdq.double()
-    noise = (htp - qdq).pow(2).mean().item()
-    sqnr = math.inf if noise == 0 else 10 * math.log10(htp.pow(2).mean().item() / noise)
-    log_p, log_q = torch.log_softmax(htp, -1), torch.log_softmax(qdq, -1)
+    from qexp.eval.compare import sqnr_db
+
+    log_p, log_q = torch.log_softmax(htp.double(), -1), torch.log_softmax(qdq.double(), -1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
     top1 = (htp.argmax(-1) == qdq.argmax(-1)).double().mean().item()
-    return {"logits_sqnr_db": sqnr, "kl_nats": kl, "top1": top1}
+    return {"logits_sqnr_db": sqnr_db(htp, qdq), "kl_nats": kl, "top1": top1}
 
 
 def arithmetics() -> dict:
@@ -63,6 +61,7 @@ def attribute(cfg, n_windows: int) -> tuple[dict, dict]:
     from qexp.pipeline import prepare
     from qexp.provenance import library_versions
     from qexp.quant.fold import with_weights_dequantized
+    from qexp.stages import htp_w4_lowering
     from qexp.upstream.private import tree_leaves
 
     state = prepare(cfg, through="qdq")
@@ -84,7 +83,7 @@ def attribute(cfg, n_windows: int) -> tuple[dict, dict]:
     htp = torch.cat(htp).float()
     facts = {"positions": htp.shape[0], "tokens_per_window": ar, "windows": len(windows),
              "emulator_s": time.perf_counter() - started}
-    lowering = str(cfg.backend.w4_lowering).split(".")[-1]  # how this run's HTP program gets 4-bit weights
+    lowering = htp_w4_lowering(cfg)  # as this run's HTP program gets its 4-bit weights
     rows = {}
     for label, models in arithmetics().items():
         program = with_weights_dequantized(graph["module"], None if models is None else lowering,

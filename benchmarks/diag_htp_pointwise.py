@@ -58,22 +58,29 @@ def on_htp(op: str, x: torch.Tensor, soc, with_model: bool = True) -> dict:
     from qexp.quant.fold import with_weights_dequantized
 
     htp, qdq = quantized_on_htp(Pointwise(op).eval(), (x,), (x,), soc)
-    quantizes = [n for n in qdq.graph.nodes if n.op == "call_function" and "quantize_per_tensor" in str(n.target)
-                 and "dequantize" not in str(n.target)]
-    (in_scale, in_zp), (out_scale, out_zp) = (tuple(q.args[1:3]) for q in (quantizes[0], quantizes[-1]))
+    (in_scale, in_zp), (out_scale, out_zp) = encodings(qdq)
     exact = with_weights_dequantized(qdq, "lpbq") if with_model else None
     with torch.no_grad():
         fake, modelled = qdq(x), exact(x) if with_model else torch.full_like(x, float("nan"))
-
-    def codes(y):
-        return torch.round(y.double().flatten() / out_scale) + out_zp
-
     x_q = torch.clamp(torch.round(x.double() / in_scale) + in_zp, 0, 65535)
     counts = exact.htp_counts if with_model else None
-    return {"x": ((x_q - in_zp) * in_scale), "htp": codes(htp), "fake_quant": codes(fake),
-            "htp_exact": codes(modelled), "y_htp": htp.double().flatten(), "in": (in_scale, in_zp),
+    return {"x": ((x_q - in_zp) * in_scale), "htp": codes(htp, qdq), "fake_quant": codes(fake, qdq),
+            "htp_exact": codes(modelled, qdq), "y_htp": htp.double().flatten(), "in": (in_scale, in_zp),
             "out": (out_scale, out_zp),
             "modelled": counts.softmaxes + counts.sigmoids + counts.gelus if with_model else 0}
+
+
+def encodings(qdq) -> tuple:
+    """((scale, zero point) of the program's first quantize: its input), (the same of its last: its output))."""
+    quantizes = [n for n in qdq.graph.nodes if n.op == "call_function" and "quantize_per_tensor" in str(n.target)
+                 and "dequantize" not in str(n.target)]
+    return tuple(quantizes[0].args[1:3]), tuple(quantizes[-1].args[1:3])
+
+
+def codes(y: torch.Tensor, qdq) -> torch.Tensor:
+    """`y` (dequantized) as codes of the program's output encoding, flat, float64."""
+    scale, zero_point = encodings(qdq)[1]
+    return torch.round(y.double().flatten() / scale) + zero_point
 
 
 def all_codes_on_htp(op: str, lo: float, hi: float, soc, with_model: bool = True) -> dict:
@@ -106,16 +113,10 @@ def matmul_on_htp(convert: bool, soc) -> dict:
     generator = torch.Generator().manual_seed(0)
     inputs = (torch.randn(1, 1, 32, 64, generator=generator) + 0.5, torch.randn(1, 1, 64, 128, generator=generator))
     htp, qdq = quantized_on_htp(Matmul(convert).eval(), inputs, inputs, soc)
-    out_scale, out_zp = [n.args[1:3] for n in qdq.graph.nodes if n.op == "call_function"
-                         and "quantize_per_tensor" in str(n.target) and "dequantize" not in str(n.target)][-1]
     exact = with_weights_dequantized(qdq, "lpbq", htp_exact_models=("matmul_accumulator_floor",))
     with torch.no_grad():
         fake, modelled = qdq(*inputs), exact(*inputs)
-
-    def codes(y):
-        return torch.round(y.double().flatten() / out_scale) + out_zp
-
-    return {"htp": codes(htp), "fake_quant": codes(fake), "matmul_model": codes(modelled),
+    return {"htp": codes(htp, qdq), "fake_quant": codes(fake, qdq), "matmul_model": codes(modelled, qdq),
             "modelled": exact.htp_counts.matmuls}
 
 
@@ -140,6 +141,13 @@ def agreement(htp: torch.Tensor, model: torch.Tensor) -> dict:
     difference = htp - model
     return {"identical": (difference == 0).double().mean().item(), "mean": difference.mean().item(),
             "rms": difference.pow(2).mean().sqrt().item()}
+
+
+def report_row(key: str, model: str, htp: torch.Tensor, modelled: torch.Tensor) -> dict:
+    """Print one model's agreement with HTP; return it as metrics named after `key`."""
+    row = agreement(htp, modelled)
+    print(f"  {model:12s} identical {100 * row['identical']:5.1f}%  mean {row['mean']:+6.2f}  rms {row['rms']:6.2f}")
+    return {f"{key}_{k}": v for k, v in row.items()}
 
 
 def write_gelu_table(soc, path: Path) -> None:
@@ -186,10 +194,8 @@ def main() -> None:
         print(f"matmul 16x16-bit, 32x64 by 64x128, b {'through a uint16 tensor (converted)' if convert else 'direct'} "
               f"(target=x86_emulator, {cfg.backend.soc.value}): HTP minus each model, in output codes")
         for model in ("fake_quant", "matmul_model"):
-            row = agreement(probe["htp"], probe[model])
-            results.update({f"matmul_{'converted' if convert else 'direct'}_{model}_{k}": v for k, v in row.items()})
-            print(f"  {model:12s} identical {100 * row['identical']:5.1f}%  mean {row['mean']:+6.2f}  "
-                  f"rms {row['rms']:6.2f}")
+            results.update(report_row(f"matmul_{'converted' if convert else 'direct'}_{model}", model, probe["htp"],
+                                      probe[model]))
     for op in [o for o in args.ops.split(",") if o != "matmul"]:
         for lo, hi in RANGES[op] if op != "softmax" else SOFTMAX_ROWS:
             if op == "softmax":
@@ -202,12 +208,9 @@ def main() -> None:
             name, candidate = reference_candidate(op, probe)
             print(f"{op} 16-bit, {what}, output step {probe['out'][0]:.3g} "
                   f"(target=x86_emulator, {cfg.backend.soc.value}): HTP minus each model, in output codes")
-            for model, codes in [("fake_quant", probe["fake_quant"]), ("htp_exact", probe["htp_exact"]),
-                                 (name, candidate)]:
-                row = agreement(probe["htp"], codes)
-                results.update({f"{op}_{lo:g}_{hi:g}_{model}_{k}": v for k, v in row.items()})
-                print(f"  {model:12s} identical {100 * row['identical']:5.1f}%  mean {row['mean']:+6.2f}  "
-                      f"rms {row['rms']:6.2f}")
+            for model, modelled in [("fake_quant", probe["fake_quant"]), ("htp_exact", probe["htp_exact"]),
+                                    (name, candidate)]:
+                results.update(report_row(f"{op}_{lo:g}_{hi:g}_{model}", model, probe["htp"], modelled))
             if op == "sigmoid":
                 odd = (probe["htp"] % 2 == 1).double().mean().item()
                 results[f"sigmoid_{lo:g}_{hi:g}_odd_codes"] = odd

@@ -232,10 +232,12 @@ def qdq(state) -> None:
 
 
 def htp_exact_lowering(cfg):
-    """None for the fake-quant QDQ phase; with eval.htp_exact, how HTP would get per-channel 4-bit weights (the run's
-    HTP backend setting, else the HTP default)."""
-    if not cfg.eval.get("htp_exact", False):
-        return None
+    """None for the fake-quant QDQ phase; with eval.htp_exact, how HTP would get per-channel 4-bit weights."""
+    return htp_w4_lowering(cfg) if cfg.eval.get("htp_exact", False) else None
+
+
+def htp_w4_lowering(cfg) -> str:
+    """How HTP gets per-channel 4-bit weights: the run's HTP backend setting, else the HTP default."""
     from qexp.backends.htp.config import HtpConfig
 
     return str(getattr(cfg.backend, "w4_lowering", HtpConfig.w4_lowering.value)).split(".")[-1]
