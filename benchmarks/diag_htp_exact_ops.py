@@ -9,8 +9,15 @@ model contributes), and each model alone. Per arithmetic, against HTP's logits: 
 divergence between the two next-token distributions (nats per token) and top-1 agreement. Logged to MLflow
 (experiment `benchmarks`).
 
+--perplexity asks the same of the perplexity a run reports: the QDQ phase with each arithmetic on the run's own
+windows (`eval.limit`), against HTP's scores of the windows the HTP phase scores (`backend.eval_tokens`; read from
+the cache a `backend=htp` run of the same config left, else computed on the emulator): HTP's Δ from each with its
+95% interval (paired bootstrap over windows, qexp/eval/uncertainty.py) and top-1 agreement. One QDQ evaluation per
+arithmetic: SmolLM2 on 32 windows ~40 s each.
+
     .venv/bin/python benchmarks/diag_htp_exact_ops.py [--windows 8] [hydra overrides, e.g. quant=16a8w]
     .venv/bin/python benchmarks/diag_htp_exact_ops.py model=gemma3_270m quant=16a8w quant.block_size=64
+    .venv/bin/python benchmarks/diag_htp_exact_ops.py --perplexity eval.limit=32 backend.eval_tokens=8192
 
 The QDQ program here is the deployed prefill graph's, on the inputs qexp's HTP runner gives it: where the two differ
 at all it is because of the arithmetic. SmolLM2 ~3 min once its `.pte` is cached; Gemma-3-270M ~13 GiB.
@@ -39,6 +46,11 @@ def agreement(htp: torch.Tensor, qdq: torch.Tensor) -> dict:
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
     top1 = (htp.argmax(-1) == qdq.argmax(-1)).double().mean().item()
     return {"logits_sqnr_db": sqnr_db(htp, qdq), "kl_nats": kl, "top1": top1}
+
+
+def metric_prefix(label: str) -> str:
+    """An arithmetic's label as an MLflow metric name ("+" is not allowed there)."""
+    return label.replace(" + ", " plus ").replace(" ", "_")
 
 
 def arithmetics() -> dict:
@@ -97,9 +109,72 @@ def attribute(cfg, n_windows: int) -> tuple[dict, dict]:
     return rows, facts
 
 
+def attribute_perplexity(cfg) -> tuple[dict, dict]:
+    """({arithmetic label: ppl_qdq, HTP's Δ from it with its interval, top-1 agreement}, facts) on the run's windows,
+    as `python -m qexp ... backend=htp [eval.htp_exact=true]` would report them."""
+    from qexp.backends.htp.lower import compile_pte
+    from qexp.backends.htp.phase import deployed_eval_key, eval_subset
+    from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
+    from qexp.backends.htp.runner import HtpRunner
+    from qexp.eval.compare import compare
+    from qexp.eval.perplexity import cached_evaluation, evaluate
+    from qexp.models.static_llama import window_logits
+    from qexp.pipeline import prepare
+    from qexp.provenance import library_versions
+    from qexp.quant.fold import with_weights_dequantized
+    from qexp.stages import htp_w4_lowering
+
+    state = prepare(cfg, through="qdq")
+    ensure_qnn_sdk(state.cache)
+    deployed = compile_pte(state.deploy_model, cfg, state.qdq.program, state.static.r3, state.cache, state.timer,
+                           library_versions())
+    subset = eval_subset(state.windows, int(cfg.backend.eval_tokens), state.deploy_model.tokenizer)
+    runner = HtpRunner(deployed)
+    key = deployed_eval_key(deployed, subset, "prefill", cfg.backend.kv_update.value)
+    htp, hit = cached_evaluation(state.cache, key, subset, lambda: evaluate(runner.prefill_logits, subset, "HTP"))
+    facts = {"windows": state.windows.n_windows, "htp_windows": subset.n_windows, "htp_tokens": subset.n_predicted,
+             "htp_cache_hit": hit, "ppl_deployed": htp.metrics()["ppl"],
+             "ppl_qdq_phase": state.qdq.result.metrics()["ppl"]}  # what the run itself reports (its eval.htp_exact)
+    lowering = htp_w4_lowering(cfg)
+    whole = subset.n_windows == state.windows.n_windows and subset.seq_len == state.windows.seq_len
+    rows, fake = {}, None
+    for label, models in arithmetics().items():
+        program = with_weights_dequantized(state.qdq.program.module, None if models is None else lowering,
+                                           htp_exact_models=models)
+        qdq = evaluate(lambda ids: window_logits(program, state.static, ids), state.windows, label)
+        fake = qdq if models is None else fake
+        delta = compare(htp, qdq if whole else qdq.head(subset), "deployed", "qdq")
+        shift = compare(qdq, fake, "qdq", "fake_quant")  # how far this arithmetic moves the QDQ phase, all windows
+        rows[label] = {"ppl_qdq": qdq.metrics()["ppl"],
+                       **{k.replace("_deployed_vs_qdq", ""): v for k, v in delta.items() if "sqnr" not in k},
+                       **{k.replace("_qdq_vs_fake_quant", "_shift"): v for k, v in shift.items()
+                          if k.startswith("ppl_")}}
+        del program
+    return rows, facts
+
+
+def print_perplexity(cfg, rows: dict, facts: dict) -> None:
+    print(f"{cfg.model.name} {cfg.quant.scheme}: HTP (target=x86_emulator, ppl {facts['ppl_deployed']:.3f} on "
+          f"{facts['htp_tokens']} tokens of {facts['htp_windows']} windows; scores "
+          f"{'from the cache' if facts['htp_cache_hit'] else 'computed now'}) against the QDQ phase with each "
+          f"arithmetic ({facts['windows']} windows)")
+    print(f"  {'QDQ arithmetic':38s} {'ppl QDQ':>8s}   {'QDQ vs fake quant':26s} {'HTP vs QDQ [95% interval]':26s} "
+          f"{'top-1':>6s}")
+    for label, row in rows.items():
+        print(f"  {label:38s} {row['ppl_qdq']:8.3f}   {interval_cell(row, 'ppl_shift'):26s} "
+              f"{interval_cell(row, 'ppl'):26s} {row['top1_agreement']:6.3f}")
+
+
+def interval_cell(row: dict, name: str) -> str:
+    """`+0.51% [+0.07, +0.97]`, `~` where the interval spans zero (none: too few units to resample)."""
+    low, high = row.get(f"{name}_ci_low", float("nan")), row.get(f"{name}_ci_high", float("nan"))
+    return f"{100 * row[name]:+.2f}% [{100 * low:+.2f}, {100 * high:+.2f}]{' ~' if low <= 0 <= high else ''}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--windows", type=int, default=8, help="logits: windows whose first AR-N tokens are scored")
+    parser.add_argument("--perplexity", action="store_true", help="the reported perplexity instead of the logits")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
@@ -110,6 +185,15 @@ def main() -> None:
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+experiment=16a4w_wikitext", "backend=htp", *args.overrides])
+    if args.perplexity:
+        rows, facts = attribute_perplexity(cfg)
+        print_perplexity(cfg, rows, facts)
+        results = {f"{metric_prefix(label)}_{k}": v for label, row in rows.items() for k, v in row.items()}
+        with benchmark_run(resolve_uri(cfg.tracking), f"diag_htp_exact_ppl-{cfg.model.name}", "diag_htp_exact_ops",
+                           {"target": "x86_emulator", "model": cfg.model.name, "scheme": str(cfg.quant.scheme),
+                            "windows": str(facts["windows"]), "htp_tokens": str(facts["htp_tokens"])}):
+            mlflow.log_metrics({**results, "ppl_deployed": facts["ppl_deployed"]})
+        return
     rows, facts = attribute(cfg, args.windows)
     print(f"{cfg.model.name} {cfg.quant.scheme}: the deployed HTP program (target=x86_emulator) against the prefill "
           f"graph's QDQ program with each arithmetic, first {facts['tokens_per_window']} tokens of {facts['windows']} "
@@ -118,7 +202,7 @@ def main() -> None:
     print(f"  {'QDQ arithmetic':38s} {'logits SQNR':>11s} {'KL (nats)':>10s} {'top-1':>6s}")
     for label, row in rows.items():
         print(f"  {label:38s} {row['logits_sqnr_db']:8.2f} dB {row['kl_nats']:10.5f} {row['top1']:6.3f}")
-    results = {f"{label.replace(' ', '_')}_{k}": v for label, row in rows.items() for k, v in row.items()}
+    results = {f"{metric_prefix(label)}_{k}": v for label, row in rows.items() for k, v in row.items()}
     with benchmark_run(resolve_uri(cfg.tracking), f"diag_htp_exact_ops-{cfg.model.name}", "diag_htp_exact_ops",
                        {"target": "x86_emulator", "model": cfg.model.name, "scheme": str(cfg.quant.scheme),
                         "positions": str(facts["positions"])}):

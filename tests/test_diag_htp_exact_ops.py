@@ -37,3 +37,22 @@ def test_attribution_on_the_tiny_model(compose):
     assert rows["only gelu_phi_table"] == rows["fake_quant"]  # the llama has no GELU
     assert all(row["kl_nats"] >= 0 and 0 < row["top1"] <= 1 for row in rows.values())
     assert rows["htp_exact"] != rows["fake_quant"] and "softmaxes with a 15-bit exp" in facts["modelled"]
+
+
+def test_perplexity_attribution_scores_what_a_run_reports(compose):
+    """Each arithmetic's QDQ perplexity on the run's windows against HTP's scores of the first windows; the
+    fake-quant row is the QDQ phase a run of the config reports, and with eval.htp_exact=true the htp_exact row is."""
+    from benchmarks.diag_htp_exact_ops import arithmetics, attribute_perplexity
+
+    overrides = TINY + ["quant=16a8w", "backend=htp", "backend.prefill_ar_len=16", "backend.eval_tokens=128"]
+    rows, facts = attribute_perplexity(compose(overrides))
+    assert set(rows) == set(arithmetics()) and facts["windows"] == 3 and facts["htp_windows"] == 2
+    assert rows["fake_quant"]["ppl_qdq"] == facts["ppl_qdq_phase"] and rows["fake_quant"]["ppl_shift"] == 0
+    assert math.isclose(1 + rows["htp_exact"]["ppl_shift"], rows["htp_exact"]["ppl_qdq"] / facts["ppl_qdq_phase"])
+    assert rows["only gelu_phi_table"] == rows["fake_quant"]  # the llama has no GELU
+    assert rows["htp_exact"]["ppl_qdq"] != rows["fake_quant"]["ppl_qdq"]
+    for row in rows.values():
+        assert row["ppl_ci_units"] > 0 and 0 < row["top1_agreement"] <= 1
+    exact_rows, exact_facts = attribute_perplexity(compose(overrides + ["eval.htp_exact=true"]))
+    assert exact_rows["htp_exact"]["ppl_qdq"] == exact_facts["ppl_qdq_phase"]
+    assert exact_rows == rows and exact_facts["ppl_deployed"] == facts["ppl_deployed"]
