@@ -19,6 +19,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # different last bits with 1 and 2 threads (tiny wide model, 16a4w: ppl_qdq 2217.659 vs 2217.640) under MKL_CBWR=AVX2;
 # MKL's strict conditional-numerical-reproducibility mode makes them bit-identical (tests/test_reproducibility.py).
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+# Across CPU vendors this is not enough: MKL's AVX2 branch is Intel's only (on other CPUs MKL takes its AUTO branch),
+# and on an Intel host the AVX2, COMPATIBLE and AUTO branches give different sgemm bits; COMPATIBLE is the branch MKL
+# documents for Intel and compatible CPUs alike, at ~2.6x the sgemm time (README: across CPU vendors). Set
+# MKL_CBWR=COMPATIBLE yourself to try it: runs tag it (numerics.mkl_cbwr) and the cache keys include it.
 os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")
 
 __version__ = "0.1.0"

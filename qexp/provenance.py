@@ -131,16 +131,21 @@ def pin_cpu_numerics() -> Dict[str, str]:
 
 
 PINNED_CPU_CAPABILITY = "AVX2"  # qexp/__init__.py sets ATEN_CPU_CAPABILITY=avx2 unless the user set it
+PINNED_MKL_CBWR = "AVX2,STRICT"  # and MKL_CBWR
 
 
 def numerics_key() -> str:
     """Part of the keys of cached results computed on the CPU: the numerics they were computed with. The CPU model is
     part of it: with the same pinned kernels (AVX2, MKL_CBWR) an Intel Xeon and an AMD EPYC host calibrated SmolLM2's
     default experiment to different programs (QDQ 47.165 vs 46.994, HTP 39.13 vs 39.66), so a cache shared between
-    hosts must not hand one host's result to another."""
+    hosts must not hand one host's result to another. So is MKL's code branch where the user chose another one: on an
+    Intel Xeon host MKL_CBWR=AVX2, COMPATIBLE and AUTO give three different sgemm results (README, across CPU vendors);
+    the pinned branch adds nothing, which keeps earlier keys valid."""
     import torch
 
-    return f"mkldnn-off-{torch.backends.cpu.get_cpu_capability()}-{cpu_model()}"
+    cbwr = os.environ.get("MKL_CBWR", "")
+    branch = "" if cbwr == PINNED_MKL_CBWR else f"-mkl_cbwr={cbwr or 'unset'}"
+    return f"mkldnn-off-{torch.backends.cpu.get_cpu_capability()}-{cpu_model()}{branch}"
 
 
 def fp_eval_key(cfg: DictConfig, model, static, windows, keep_logits: int) -> str:

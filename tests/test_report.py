@@ -144,6 +144,26 @@ def test_cached_cpu_results_are_keyed_by_the_cpu_model(monkeypatch):
     assert provenance.numerics_key() != intel and provenance.numerics_key().endswith("AMD EPYC 9B14")
 
 
+def test_cached_cpu_results_are_keyed_by_the_mkl_branch(monkeypatch):
+    """MKL_CBWR picks MKL's code branch, and the branches give different sgemm bits on one CPU (AVX2, COMPATIBLE and
+    AUTO on an Intel Xeon host): a run with another branch must not read the pinned branch's cached results, and the
+    pinned branch keeps the keys it always had; a table does not mix the branches either."""
+    import qexp.provenance as provenance
+    from qexp.report import ReportError, build_report
+
+    monkeypatch.setattr(provenance, "cpu_model", lambda: "Intel Xeon")
+    pinned = provenance.numerics_key()
+    assert pinned.endswith("Intel Xeon") and provenance.PINNED_MKL_CBWR == "AVX2,STRICT"
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
+    assert provenance.numerics_key() == pinned + "-mkl_cbwr=COMPATIBLE"
+    monkeypatch.delenv("MKL_CBWR")
+    assert provenance.numerics_key() == pinned + "-mkl_cbwr=unset"
+    runs = [{**HTP, "run_id": f"mkl_{branch}", "tags.numerics.mkl_cbwr": branch}
+            for branch in ("AVX2,STRICT", "COMPATIBLE")]
+    with pytest.raises(ReportError, match="MKL branch=COMPATIBLE"):
+        build_report(pd.DataFrame(runs))
+
+
 def test_report_labels_htp_exact_rows():
     """Runs whose QDQ phase used HTP's integer arithmetic (eval.htp_exact) get a QDQ-arithmetic column and a note
     when the table also holds fake-quant runs, runs of an older model of it name that model; a table of one

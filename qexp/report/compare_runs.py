@@ -201,7 +201,7 @@ def _params(frame: pd.DataFrame) -> Tuple[List[Tuple[str, str, str]], int]:
 
 # Logged only since qexp pinned PyTorch's CPU kernels (the CPU model: by every run, but not by runs written by other
 # tools): a run without it still pairs on the same windows, noted.
-KEYS_OLDER_RUNS_LACK = ("tags.numerics.cpu_capability", "tags.cpu")
+KEYS_OLDER_RUNS_LACK = ("tags.numerics.cpu_capability", "tags.numerics.mkl_cbwr", "tags.cpu")
 
 
 def _not_comparable(frame: pd.DataFrame) -> Tuple[Optional[str], Optional[str], bool]:

@@ -54,6 +54,8 @@ COMPARABILITY = {
     "params.eval.n_windows": "window count",
     # PyTorch's CPU kernels (AVX2, AVX512, ...): QDQ perplexities differ by ~1% between them (qexp/__init__.py)
     "tags.numerics.cpu_capability": "CPU kernels",
+    # MKL's code branch (MKL_CBWR): another branch gives other sgemm bits on the same CPU (qexp/__init__.py)
+    "tags.numerics.mkl_cbwr": "MKL branch",
     # the CPU model: with the same kernels an Intel and an AMD host calibrate to different programs (qexp/provenance.py)
     "tags.cpu": "CPU",
 }
