@@ -112,7 +112,7 @@ def attribute(cfg, n_windows: int) -> tuple[dict, dict]:
 def attribute_perplexity(cfg) -> tuple[dict, dict]:
     """({arithmetic label: ppl_qdq, HTP's Δ from it with its interval, top-1 agreement}, facts) on the run's windows,
     as `python -m qexp ... backend=htp [eval.htp_exact=true]` would report them."""
-    from qexp.backends.htp.lower import compile_pte
+    from qexp.backends.htp.lower import PREFILL_GRAPH, compile_pte
     from qexp.backends.htp.phase import deployed_eval_key, eval_subset
     from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
     from qexp.backends.htp.runner import HtpRunner
@@ -128,6 +128,9 @@ def attribute_perplexity(cfg) -> tuple[dict, dict]:
     ensure_qnn_sdk(state.cache)
     deployed = compile_pte(state.deploy_model, cfg, state.qdq.program, state.static.r3, state.cache, state.timer,
                            library_versions())
+    if PREFILL_GRAPH not in deployed.meta["graphs"]:  # HTP's perplexity then steps the kv graph: not compared here
+        raise SystemExit(f"--perplexity compares the AR-N prefill graph's scores; backend.model_mode="
+                         f"{cfg.backend.model_mode.value} compiles none (use hybrid, the default)")
     subset = eval_subset(state.windows, int(cfg.backend.eval_tokens), state.deploy_model.tokenizer)
     runner = HtpRunner(deployed)
     key = deployed_eval_key(deployed, subset, "prefill", cfg.backend.kv_update.value)
@@ -142,7 +145,7 @@ def attribute_perplexity(cfg) -> tuple[dict, dict]:
         program = with_weights_dequantized(state.qdq.program.module, None if models is None else lowering,
                                            htp_exact_models=models)
         qdq = evaluate(lambda ids: window_logits(program, state.static, ids), state.windows, label)
-        fake = qdq if models is None else fake
+        fake = qdq if models is None else fake  # arithmetics() lists the fake-quant program first
         delta = compare(htp, qdq if whole else qdq.head(subset), "deployed", "qdq")
         shift = compare(qdq, fake, "qdq", "fake_quant")  # how far this arithmetic moves the QDQ phase, all windows
         rows[label] = {"ppl_qdq": qdq.metrics()["ppl"],
