@@ -10,8 +10,9 @@ divergence between the two next-token distributions (nats per token) and top-1 a
 (experiment `benchmarks`).
 
 --perplexity asks the same of the perplexity a run reports: the QDQ phase with each arithmetic on the run's own
-windows (`eval.limit`), against HTP's scores of the windows the HTP phase scores (`backend.eval_tokens`; read from
-the cache a `backend=htp` run of the same config left, else computed on the emulator): HTP's Δ from each with its
+windows (`eval.limit`), against HTP's scores of the windows the HTP phase scores (qexp.backends.htp.phase.
+score_on_emulator: `backend.eval_tokens`; read from the cache a `backend=htp` run of the same config left, else
+computed on the emulator): HTP's Δ from each with its
 95% interval (paired bootstrap over windows, qexp/eval/uncertainty.py) and top-1 agreement. One QDQ evaluation per
 arithmetic: SmolLM2 on 32 windows ~40 s each.
 
@@ -112,12 +113,12 @@ def attribute(cfg, n_windows: int) -> tuple[dict, dict]:
 def attribute_perplexity(cfg) -> tuple[dict, dict]:
     """({arithmetic label: ppl_qdq, HTP's Δ from it with its interval, top-1 agreement}, facts) on the run's windows,
     as `python -m qexp ... backend=htp [eval.htp_exact=true]` would report them."""
-    from qexp.backends.htp.lower import PREFILL_GRAPH, compile_pte
-    from qexp.backends.htp.phase import deployed_eval_key, eval_subset
+    from qexp.backends.htp.lower import compile_pte
+    from qexp.backends.htp.phase import score_on_emulator
     from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
     from qexp.backends.htp.runner import HtpRunner
     from qexp.eval.compare import compare
-    from qexp.eval.perplexity import cached_evaluation, evaluate
+    from qexp.eval.perplexity import evaluate
     from qexp.models.static_llama import window_logits
     from qexp.pipeline import prepare
     from qexp.provenance import library_versions
@@ -128,25 +129,20 @@ def attribute_perplexity(cfg) -> tuple[dict, dict]:
     ensure_qnn_sdk(state.cache)
     deployed = compile_pte(state.deploy_model, cfg, state.qdq.program, state.static.r3, state.cache, state.timer,
                            library_versions())
-    if PREFILL_GRAPH not in deployed.meta["graphs"]:  # HTP's perplexity then steps the kv graph: not compared here
-        raise SystemExit(f"--perplexity compares the AR-N prefill graph's scores; backend.model_mode="
-                         f"{cfg.backend.model_mode.value} compiles none (use hybrid, the default)")
-    subset = eval_subset(state.windows, int(cfg.backend.eval_tokens), state.deploy_model.tokenizer)
-    runner = HtpRunner(deployed)
-    key = deployed_eval_key(deployed, subset, "prefill", cfg.backend.kv_update.value)
-    htp, hit = cached_evaluation(state.cache, key, subset, lambda: evaluate(runner.prefill_logits, subset, "HTP"))
+    htp, _, _, hit = score_on_emulator(deployed, HtpRunner(deployed), state.windows, cfg.backend,
+                                       state.deploy_model.tokenizer, state.cache)  # as the run's HTP phase scores
+    subset = htp.windows
     facts = {"windows": state.windows.n_windows, "htp_windows": subset.n_windows, "htp_tokens": subset.n_predicted,
              "htp_cache_hit": hit, "ppl_deployed": htp.metrics()["ppl"],
              "ppl_qdq_phase": state.qdq.result.metrics()["ppl"]}  # what the run itself reports (its eval.htp_exact)
     lowering = htp_w4_lowering(cfg)
-    whole = subset.n_windows == state.windows.n_windows and subset.seq_len == state.windows.seq_len
     rows, fake = {}, None
     for label, models in arithmetics().items():
         program = with_weights_dequantized(state.qdq.program.module, None if models is None else lowering,
                                            htp_exact_models=models)
         qdq = evaluate(lambda ids: window_logits(program, state.static, ids), state.windows, label)
         fake = qdq if models is None else fake  # arithmetics() lists the fake-quant program first
-        delta = compare(htp, qdq if whole else qdq.head(subset), "deployed", "qdq")
+        delta = compare(htp, qdq.head(subset), "deployed", "qdq")
         shift = compare(qdq, fake, "qdq", "fake_quant")  # how far this arithmetic moves the QDQ phase, all windows
         rows[label] = {"ppl_qdq": qdq.metrics()["ppl"],
                        **{k.replace("_deployed_vs_qdq", ""): v for k, v in delta.items() if "sqnr" not in k},

@@ -79,9 +79,19 @@ def run_phase(inputs: PhaseInputs, adb=None) -> PhaseResult:
 def _evaluate_on_emulator(inputs: PhaseInputs, program: DeployedProgram, result: PhaseResult) -> None:
     from qexp.backends.htp.runner import HtpRunner
 
-    backend = inputs.cfg.backend
     runner = HtpRunner(program)
-    # ---- on-target perplexity, on a head of the windows that every phase scores identically
+    with inputs.timer.stage("eval_deployed"):
+        result.deployed, path, reason, hit = score_on_emulator(program, runner, inputs.windows, inputs.cfg.backend,
+                                                               inputs.model.tokenizer, inputs.cache)
+    result.tags.update({"deployed_eval_path": path, "deployed_eval_path_reason": reason,
+                        "deployed_eval_cache_hit": str(hit).lower()})
+    _bench(inputs, runner, result)
+
+
+def score_on_emulator(program: DeployedProgram, runner, windows: Windows, backend, tokenizer, cache):
+    """On-target perplexity, on a head of the windows that every phase scores identically (backend.eval_tokens
+    through the AR-N prefill graph, else eval_kv_tokens stepping the kv graph), read back from the cache where this
+    program scored them before: (result, path, why that path, cache hit)."""
     if PREFILL_GRAPH in program.meta["graphs"]:
         ar = program.meta["graphs"][PREFILL_GRAPH]
         path, reason, budget = "prefill", f"AR-{ar} prefill graph", backend.eval_tokens
@@ -89,17 +99,12 @@ def _evaluate_on_emulator(inputs: PhaseInputs, program: DeployedProgram, result:
     else:
         path, reason, budget = "kv", "model_mode=kv compiles no AR-N graph", backend.eval_kv_tokens
         logits_fn = lambda ids: runner.kv_logits(ids, backend.kv_update.value)[0]  # noqa: E731
-    subset = eval_subset(inputs.windows, budget, inputs.model.tokenizer)
-    with inputs.timer.stage("eval_deployed"):
-        key = deployed_eval_key(program, subset, path, backend.kv_update.value)
-        if key is None:  # a user's .pte (backend.pte_path): not content-addressed, evaluated every time
-            result.deployed, hit = evaluate(logits_fn, subset, "HTP"), False
-        else:
-            result.deployed, hit = cached_evaluation(inputs.cache, key, subset, lambda: evaluate(logits_fn, subset,
-                                                                                                  "HTP"))
-    result.tags.update({"deployed_eval_path": path, "deployed_eval_path_reason": reason,
-                        "deployed_eval_cache_hit": str(hit).lower()})
-    _bench(inputs, runner, result)
+    subset = eval_subset(windows, budget, tokenizer)
+    key = deployed_eval_key(program, subset, path, backend.kv_update.value)
+    if key is None:  # a user's .pte (backend.pte_path): not content-addressed, evaluated every time
+        return evaluate(logits_fn, subset, "HTP"), path, reason, False
+    scored, hit = cached_evaluation(cache, key, subset, lambda: evaluate(logits_fn, subset, "HTP"))
+    return scored, path, reason, hit
 
 
 def deployed_eval_key(program: DeployedProgram, subset: Windows, path: str, kv_update: str):
