@@ -298,7 +298,7 @@ def test_missing_qnn_libraries(monkeypatch, tmp_path):
 
 HTP_RUN = TINY + ["quant=16a8w", "backend=htp", "backend.prefill_ar_len=16", "backend.eval_tokens=64",
                   "backend.eval_kv_tokens=12", "backend.bench.prompt_len=16", "backend.bench.new_tokens=4",
-                  "backend.bench.repeats=2"]
+                  "backend.bench.repeats=2", "backend.bench.emulator=true"]
 
 
 @pytest.mark.parametrize("mode,path", [("hybrid", "prefill"), ("kv", "kv")])
@@ -319,8 +319,10 @@ def test_three_phases_in_one_run(compose, store_uri, mode, path):
     for name in ("ppl_deployed", "word_ppl_deployed", "bits_per_byte_deployed", "ppl_fp_sub", "ppl_qdq_sub",
                  "ppl_deployed_vs_qdq", "ppl_deployed_vs_fp", "top1_agreement_deployed_vs_qdq", "ttft_ms",
                  "prefill_tok_s", "decode_tok_s", "pte_bytes", "time_compile_s", "time_eval_deployed_s",
-                 "kv_update_bytes_per_token"):
+                 "kv_update_bytes_per_token", "decode_tok_s_est", "ttft_ms_est", "prefill_tok_s_est",
+                 "ddr_read_total_bytes_kv_forward"):
         assert name in m, name
+    assert tags["speed_source"].startswith("estimate:") and tags["speed_bytes_source"] == "qnn_ddr_summary"
     assert abs(m["ppl_deployed_vs_qdq"]) < 0.02 and m["top1_agreement_deployed_vs_qdq"] > 0.9
     assert m["deployed_eval_tokens"] == (63 if path == "prefill" else 11)
     # the prefill path scored window 0 whole: its log-likelihood is in the per-window file (reports pair deployed

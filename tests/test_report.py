@@ -88,6 +88,29 @@ def test_report_puts_cpu_and_emulator_rows_side_by_side():
     assert list(extra["top-1 deployed vs QDQ"]) == ["0.95", "-", "-"]
 
 
+def test_report_shows_the_htp_estimate_labelled_beside_measured_speed():
+    """An HTP run with a phone estimate: its speed columns show the estimate and say so; the XNNPACK run's stay
+    measured; the emulator's own timings stay available as their own columns; the plot never joins them."""
+    from qexp.report import build_report, formatted
+    from qexp.report.plots import speed_figure
+
+    estimated = {**HTP, "metrics.decode_tok_s_est": 250.0, "metrics.ttft_ms_est": 4.0,
+                 "metrics.prefill_tok_s_est": 8000.0, "metrics.decode_tok_s_est_err": 0.15,
+                 "tags.speed_source": "estimate:roofline-v1+0123abcd"}
+    report = build_report(pd.DataFrame([estimated, XNNPACK, PYTORCH]),
+                          ["model", "scheme", "target", "ppl_qdq", "decode_tok_s", "ttft_ms", "speed_source",
+                           "decode_tok_s_emulator"])
+    table = formatted(report.table)
+    assert list(table["decode tok/s"]) == ["250", "60.00", "-"]
+    assert list(table["speed"]) == ["estimate SM8650", "measured cpu", "-"]
+    assert list(table["decode tok/s (x86_emulator)"]) == ["0.20", "-", "-"]
+    assert any("estimate:roofline-v1+0123abcd" in n and "15%" in n for n in report.notes)
+    fig = speed_figure(report.data)
+    fronts = {line.get_label() for line in fig.axes[0].get_lines()}
+    assert not any("target" in label for label in fronts)
+    assert fig.axes[0].get_xlabel().startswith("decode speed (tokens/s)")
+
+
 def test_report_reads_runs_logged_under_legacy_names():
     """An existing store's runs (ppl_htp, backend.kind, no scheme tag, ...) give the same table."""
     from qexp.report import build_report, formatted, with_current_names
@@ -123,7 +146,7 @@ def test_report_refuses_incomparable_synthetic_runs():
 
 
 def test_report_refuses_runs_from_different_cpus():
-    """#18: with the same pinned kernels an Intel and an AMD host calibrate to different programs (QDQ 47.165 vs
+    """with the same pinned kernels an Intel and an AMD host calibrate to different programs (QDQ 47.165 vs
     46.994 on SmolLM2's default experiment), so a table does not put their runs side by side silently."""
     from qexp.report import ReportError, build_report
 

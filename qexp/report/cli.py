@@ -82,6 +82,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--windows-needed", type=float, metavar="PCT",
                         help="add a column: how many evaluation windows would resolve each run's Δ vs FP to within "
                         "+-PCT percent at 95%% (from the run's per-window log-likelihoods)")
+    parser.add_argument("--speed-estimate", metavar="SOC",
+                        help="give every run the phone speed its config would have on SOC (e.g. SM8750): an HTP run "
+                        "compiled for it keeps its own estimate, others get one from their config "
+                        "(docs/htp-speed.md)")
     parser.add_argument("--allow-mixed", action="store_true", help="tabulate runs with different text/windows")
     parser.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI or the embedded store")
     parser.add_argument("--replot", metavar="NAME", help="only redraw <out-dir>/NAME_*.png from NAME.csv (no MLflow; "
@@ -114,6 +118,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = "python -m qexp.report " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     try:
         runs = load_runs(args.experiment, args.sweep, args.filter, args.tracking_uri)
+        if args.speed_estimate:
+            from qexp.report.what_if import add_speed_estimates
+
+            runs = add_speed_estimates(runs, args.speed_estimate)
         report = build_report(runs, args.columns.split(",") if args.columns else None, args.allow_mixed,
                               args.pivot.split(",") if args.pivot else None)
         if args.layout == "devices":
@@ -134,6 +142,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from qexp.report.paired import add_windows_needed
 
             add_windows_needed(report, runs, args.windows_needed / 100)
+        if args.speed_estimate:
+            from qexp.report.what_if import annotate
+
+            annotate(report, runs)
         left_out = runs.attrs.get("left_out") or {}
         if left_out:
             report.notes.append("Left out (never finished): " + ", ".join(

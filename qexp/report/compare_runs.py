@@ -37,6 +37,9 @@ WINDOW_METRICS = re.compile(r"^(ppl|word_ppl|byte_ppl|bits_per_byte|nll|top1_agr
 RELATIVE = re.compile(r"^ppl_.*_vs_")
 # Speed of the deployed program, and the stages' wall-clock times: both depend on where the run ran.
 TIMING = re.compile(r"(_ms|_tok_s|_us_per_token)$|^time_")
+# A phone speed estimate (qexp/speed): comparable between runs of one estimate version on one SoC, whatever host ran
+# them; its error is the model's, shared by both runs' figures.
+ESTIMATE = re.compile(r"_est(_err)?$")
 INTERVAL_SUFFIXES = ("_ci_low", "_ci_high", "_ci_units")
 WIDTH = 118  # flags and notes wrap here; the tables are as wide as their values
 VALUE_WIDTH = 44  # a param value longer than this (quant.overrides, prompts) is cut; the MLflow UI has it whole
@@ -247,6 +250,8 @@ def _order(name: str) -> Tuple[int, int, str]:
 def _metric_rows(frame: pd.DataFrame, not_comparable: bool, timing_differs: bool
                  ) -> Tuple[List[MetricRow], List[str]]:
     a, b = _section(frame, "metrics.")
+    tags_a, tags_b = _section(frame, "tags.")
+    estimate_differs = any(tags_a.get(k) != tags_b.get(k) for k in ("speed_source", "speed_soc"))
     # a relative metric's interval rides in its row, not in rows of its own
     names = sorted((n for n in set(a) | set(b) if not n.endswith(INTERVAL_SUFFIXES)), key=_order)
     rows, equal = [], []
@@ -257,6 +262,7 @@ def _metric_rows(frame: pd.DataFrame, not_comparable: bool, timing_differs: bool
             continue
         interval = lambda run: (run.get(f"{name}_ci_low", np.nan), run.get(f"{name}_ci_high", np.nan))  # noqa: E731
         flag = ("NOT COMPARABLE" if not_comparable and WINDOW_METRICS.match(name)
+                else ("estimate" if not estimate_differs else "other estimate/SoC") if ESTIMATE.search(name)
                 else "other target/cpu" if timing_differs and TIMING.search(name) else "")
         rows.append(MetricRow(name, va, vb, interval(a), interval(b), flag=flag))
     return rows, equal

@@ -1,6 +1,6 @@
 """The report's plots: perplexity vs size and perplexity vs decode speed, each with one Pareto front per target.
 
-How they stay legible (issue #16):
+How they stay legible:
 - No text on the data. Each point gets its own colour and marker and one legend entry beside the axes with its
   perplexity; points whose markers would overlap (identical ones included) share one marker and one entry naming
   all of them. Label parts every point shares go in the legend's title.
@@ -93,8 +93,9 @@ def _labels(data: pd.DataFrame) -> Tuple[pd.Series, str]:
     return labels, " · ".join(shared)
 
 
-def _points(data: pd.DataFrame, x_name: str) -> Tuple[pd.DataFrame, str]:
-    """x, y (perplexity), label, target and collapsed per plotted row, and the label parts they share."""
+def _points(data: pd.DataFrame, x_name: str, group: str = "target") -> Tuple[pd.DataFrame, str]:
+    """x, y (perplexity), label, target (the `group` column: each has its own Pareto front and never shares one with
+    another) and collapsed per plotted row, and the label parts they share."""
     ppl = _quantized_ppl(data)
     rows = data[x_name].notna() & ppl.notna() if x_name in data else ppl.isna() & False
     if not rows.any():
@@ -102,7 +103,7 @@ def _points(data: pd.DataFrame, x_name: str) -> Tuple[pd.DataFrame, str]:
     shown = data[rows]
     labels, shared = _labels(shown)
     points = pd.DataFrame({"x": shown[x_name].astype(float), "y": ppl[rows].astype(float), "label": labels,
-                           "target": shown["target"] if "target" in shown else "?"})
+                           "target": shown[group if group in shown else "target"] if "target" in shown else "?"})
     points["collapsed"] = collapsed(points["y"])
     return points.reset_index(drop=True), shared
 
@@ -136,8 +137,9 @@ def _draw_fronts(ax, points: pd.DataFrame, members: set) -> None:
     for style, (target, mine) in zip(FRONT_STYLES * 8, on_front.groupby("target")):
         if len(mine) > 1:  # a one-point front is its filled marker
             mine = mine.sort_values("x")
+            named = str(target).startswith(("estimate", "what-if", "measured", "x86"))  # a speed source, named
             ax.plot(mine["x"], mine["y"], linestyle=style, color="0.35", linewidth=1.1, zorder=2,
-                    label=f"Pareto front, target {target}")
+                    label=f"Pareto front, {target}" if named else f"Pareto front, target {target}")
 
 
 def _same_spot(ax, points: pd.DataFrame) -> List[List[int]]:
@@ -247,13 +249,15 @@ def caption(data: pd.DataFrame, points: pd.DataFrame, speed: bool) -> str:
     """What the perplexity is and was measured on, what the x axis means, markers and emulator timings."""
     text = (f"Perplexity: token-level (lm-eval weighted_perplexity), the QDQ program where the run has one, else the "
             f"deployed program, else FP; {_eval_setting(data)}.{_subset_text(data)}")
-    text += (" Speed: decode tokens/s as measured on each target." if speed else
+    text += (" Speed: decode tokens/s, per speed source: `estimate <SoC>` is a phone's speed estimated from the "
+             "compiled program (docs/htp-speed.md), `measured <target>` was timed there; each has its own front."
+             if speed else
              " Size: the .pte where deployed, else the weights at their quantized widths.")
     text += " Filled markers (joined by a line): the Pareto front of their target; hollow: dominated."
     if points["collapsed"].any():
         text += (f" ▲ on the top edge: collapsed (perplexity > {COLLAPSE_FACTOR:g}x the median of the plotted "
                  "points), value written out, left out of the y axis and the fronts.")
-    if speed and set(points["target"]) & EMULATED:
+    if speed and set(points["target"]) & EMULATED:  # x86_emulator: HTP runs from before the estimate
         text += " x86_emulator timings are emulator timings on this host, not phone speed."
     return text
 
@@ -268,10 +272,14 @@ def size_figure(data: pd.DataFrame):
 
 def speed_figure(data: pd.DataFrame):
     """Perplexity vs decode speed (faster and lower is better), or None when no row measured decode speed."""
-    points, shared = _points(data, "decode_tok_s")
+    points, shared = _points(data, "decode_tok_s", group="speed_source")
     if points.empty:
         return None
-    return _figure(points, shared, True, "decode speed (tokens/s)", "Perplexity vs decode speed",
+    sources = set(points["target"])
+    estimated = all(str(t).startswith(("estimate", "what-if")) for t in sources)
+    axis = "decode speed (tokens/s), estimated for a phone" if estimated \
+        else "decode speed (tokens/s), by source: see the fronts"
+    return _figure(points, shared, True, axis, "Perplexity vs decode speed",
                    caption(data, points, speed=True))
 
 

@@ -26,8 +26,9 @@ COLUMNS: Dict[str, tuple[str, str]] = {
     "ppl_qdq": ("metrics.ppl_qdq", "PPL QDQ"),
     "ppl_deployed": ("metrics.ppl_deployed", "PPL deployed"),
     "delta_vs_fp": ("delta_vs_fp", "Δ vs FP"),
-    "ttft_ms": ("metrics.ttft_ms", "TTFT ms"),
-    "decode_tok_s": ("metrics.decode_tok_s", "decode tok/s"),
+    "ttft_ms": ("ttft_ms", "TTFT ms"),
+    "decode_tok_s": ("decode_tok_s", "decode tok/s"),
+    "speed_source": ("speed_source", "speed"),
     "pte_mb": ("pte_mb", ".pte MB"),
 }
 EXTRA_COLUMNS: Dict[str, tuple[str, str]] = {
@@ -39,7 +40,10 @@ EXTRA_COLUMNS: Dict[str, tuple[str, str]] = {
     "ppl_deployed_vs_qdq": ("metrics.ppl_deployed_vs_qdq", "Δ deployed vs QDQ"),
     "top1_deployed_vs_qdq": ("metrics.top1_agreement_deployed_vs_qdq", "top-1 deployed vs QDQ"),
     "decoder": ("tags.decoder", "decoder"),
-    "prefill_tok_s": ("metrics.prefill_tok_s", "prefill tok/s"),
+    "prefill_tok_s": ("prefill_tok_s", "prefill tok/s"),
+    # the x86 emulator's own timings of an HTP run (backend.bench.emulator=true), beside the estimate
+    "ttft_ms_emulator": ("ttft_ms_emulator", "TTFT ms (x86_emulator)"),
+    "decode_tok_s_emulator": ("decode_tok_s_emulator", "decode tok/s (x86_emulator)"),
     "run_id": ("run_id", "run"),
     "algorithm": ("algorithm", "algorithm"),
     "qdq_arithmetic": ("qdq_arithmetic", "QDQ arithmetic"),
@@ -92,6 +96,7 @@ def _derived(runs: pd.DataFrame) -> pd.DataFrame:
     runs["qdq_arithmetic"] = arithmetic.where(~older, "htp_exact (" + modelled + ")")
     target = column(runs, "tags.target")
     runs["target"] = target.where(target.notna(), "pytorch")
+    _speeds(runs, num)
     runs["pte_mb"] = num("metrics.pte_bytes") / 1e6
     # a run's own quantization against FP: its QDQ phase where it has one, else its deployed program
     qdq = num("metrics.ppl_qdq_vs_fp")
@@ -100,6 +105,27 @@ def _derived(runs: pd.DataFrame) -> pd.DataFrame:
         runs[f"delta_vs_fp_{bound}"] = num(f"metrics.ppl_qdq_vs_fp_{bound}").where(
             qdq.notna(), num(f"metrics.ppl_deployed_vs_fp_{bound}"))
     return runs
+
+
+SPEEDS = ("ttft_ms", "decode_tok_s", "prefill_tok_s")
+
+
+def _speeds(runs: pd.DataFrame, num) -> None:
+    """The speed columns and where each row's come from: an HTP run's phone estimate for its SoC (qexp/speed) where
+    it logged one, else what the run measured on its target (the CPU for XNNPACK; the x86 emulator for an HTP run
+    from before the estimate, labelled so)."""
+    estimated = num("metrics.decode_tok_s_est").notna()
+    soc = column(runs, "tags.speed_soc").fillna(column(runs, "params.backend.soc")).fillna("?").astype(str)
+    kind = np.where(column(runs, "tags.speed_source").fillna("").astype(str).str.startswith("what-if"), "what-if ",
+                    "estimate ")
+    measured = num("metrics.decode_tok_s").notna() | num("metrics.ttft_ms").notna()
+    for name in SPEEDS:
+        runs[name] = num(f"metrics.{name}_est").where(estimated, num(f"metrics.{name}"))
+        emulated = runs["target"].isin(EMULATED)
+        runs[f"{name}_emulator"] = num(f"metrics.{name}").where(emulated)
+    runs["speed_source"] = np.where(estimated, kind + soc,
+                                    np.where(measured, np.where(runs["target"].isin(EMULATED), "x86_emulator",
+                                                                "measured " + runs["target"].astype(str)), "-"))
 
 
 def _algorithms_from_params(runs: pd.DataFrame) -> pd.Series:
@@ -166,6 +192,7 @@ def _data(runs: pd.DataFrame, chosen: Dict[str, tuple[str, str]]) -> pd.DataFram
     data["config_hash"] = column(runs, "tags.config_hash").values
     data["weights_mb"] = pd.to_numeric(column(runs, "metrics.weights_mb"), errors="coerce").values
     data["target"] = runs["target"].values
+    data["speed_source"] = runs["speed_source"].values
     # the plots' labels and caption: which algorithm, and the text and windows every perplexity was measured on
     if "algorithm" not in data:
         data["algorithm"] = runs["algorithm"].values
@@ -213,7 +240,15 @@ def _notes(runs: pd.DataFrame, chosen: Dict[str, tuple[str, str]]) -> List[str]:
                      "backend quantized it with, PPL deployed from running the .pte).")
     if runs["target"].isin(EMULATED).any():
         notes.append("target=x86_emulator: HTP graphs run on the QNN HTP emulator on this x86 host; its TTFT and "
-                     "tok/s are emulator timings, not phone speed.")
+                     "tok/s are emulator timings, not phone speed (speed `x86_emulator`).")
+    estimates = runs.loc[runs["speed_source"].str.startswith(("estimate", "what-if")), "tags.speed_source"] \
+        if "tags.speed_source" in runs else pd.Series(dtype=object)
+    if len(estimates):
+        errors = pd.to_numeric(column(runs, "metrics.decode_tok_s_est_err"), errors="coerce").dropna()
+        error = f", decode median error {100 * errors.max():.0f}% on published figures" if len(errors) else ""
+        notes.append(f"speed `estimate <SoC>`: a phone's TTFT and tok/s estimated for the run's SoC from its compiled "
+                     f"program ({', '.join(sorted(set(estimates.dropna())))}{error}; docs/htp-speed.md), not "
+                     "measured. `measured <target>`: timed on that target. Compare speeds within one source.")
     if "pytorch" in set(runs["target"]):
         notes.append("target=pytorch: no deployment backend; PPL FP and PPL QDQ (the fake-quantized program) run in "
                      "PyTorch.")

@@ -82,7 +82,7 @@ def _pct(value: Optional[float]) -> str:
 
 
 def run_description(metrics: Dict[str, float], tags: Dict[str, str], backend: str) -> str:
-    """The one-line result: `ppl 47.3 (+89.7% vs FP) · HTP 44.2 (x86_emulator) · 0.13 tok/s · 16.2 min`."""
+    """The one-line result: `ppl 47.3 (+89.7% vs FP) · HTP 44.2 (x86_emulator) · ~261 tok/s est. SM8650 · 16.2 min`."""
     parts: List[str] = []
     if "ppl_qdq" in metrics:
         parts.append(f"ppl {metrics['ppl_qdq']:.1f} ({_pct(metrics.get('ppl_qdq_vs_fp'))} vs FP)")
@@ -92,6 +92,9 @@ def run_description(metrics: Dict[str, float], tags: Dict[str, str], backend: st
     if "ppl_deployed" in metrics:
         where = f" ({target})" if target else ""
         parts.append(f"{backend.upper()} {metrics['ppl_deployed']:.1f}{where}")
+    if "decode_tok_s_est" in metrics:  # a phone's speed for the run's SoC, estimated (qexp/speed)
+        parts.append(f"~{metrics['decode_tok_s_est']:.3g} tok/s est. {tags.get('speed_soc', '')}".rstrip()
+                     + (" (DDR spills)" if tags.get("ddr_spills") else ""))
     if "decode_tok_s" in metrics:
         parts.append(f"{metrics['decode_tok_s']:.3g} tok/s" + (" emulated" if target == "x86_emulator" else ""))
     if "time_total_s" in metrics:

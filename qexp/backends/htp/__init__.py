@@ -51,6 +51,7 @@ class HtpBackend(Backend):
             )
         _check_lpbq_block_sizes(cfg.quant)
         _check_one_kv_cache_width(cfg.quant)
+        _warn_without_speed_figures(backend.soc.value)
         shapes = linear_shapes(cfg.model)  # None when the metadata does not say; the lowering checks again
         check_num_sharding(backend.num_sharding,
                            sum(1 for k in shapes if k.endswith("attention.wq.weight")) if shapes else None)
@@ -79,6 +80,17 @@ class HtpBackend(Backend):
 KV_8BIT_ANNOTATION = "annotate_kv_8bit"
 
 
+def _warn_without_speed_figures(soc: str) -> None:
+    """A SoC without published speed figures still compiles and scores; the run says up front that it will log no
+    speed estimate (qexp/speed)."""
+    from qexp.speed import check_soc
+
+    try:
+        check_soc(soc)
+    except ConfigError as exc:
+        log.warning("this run will log no phone speed estimate: %s", exc)
+
+
 def _check_one_kv_cache_width(quant) -> None:
     """Every KV cache of an HTP program must have one bit width: upstream's I/O tagging (and its phone runner) give
     all caches one type, and qexp's runner writes each output back into its input unchanged. The v cache is the v
@@ -103,7 +115,7 @@ def _check_one_kv_cache_width(quant) -> None:
 
 # LPBQ block sizes this QNN SDK's x86 HTP emulator runs correctly. Block 64 segfaults it (`thr_hvx` in
 # libQnnHtp.so while running AWQ + 16a4w_block/64 on SmolLM2, and on a one-layer probe); blocks 48 and 144 return
-# garbage on that probe (issue #18). Verified: 32 (upstream's Llama recipe) and 16 (its Qwen recipe) on the one-layer
+# garbage on that probe. Verified: 32 (upstream's Llama recipe) and 16 (its Qwen recipe) on the one-layer
 # probe (benchmarks/diag_htp_weight_bits.py --block-size N: SmolLM2's layer-0 gate and down projections, 83.9-84.4 dB
 # HTP vs QDQ, as 16a8w's 86 dB) and by tests/test_htp_w4.py::test_lpbq_block_sizes_htp_accepts_run_faithfully.
 HTP_LPBQ_BLOCK_SIZES = (16, 32)

@@ -59,7 +59,7 @@ PREFILL_GRAPH = "prefill_forward"
 PTE_FILE = "model.pte"
 META_FILE = "meta.json"
 _LOWER_CACHE_VERSION = 2  # 2: I/O bit widths from the encodings
-GRAPH_INFO = ("meta", "encodings", "quantize_s")  # what a built graph leaves once lowered (small, picklable)
+GRAPH_INFO = ("meta", "encodings", "quantize_s", "ddr")  # what a built graph leaves once lowered (small, picklable)
 LAYER_PATTERN = r"^layers\.(\d+)"  # the static llama's decoder layers (module names), where shards are cut
 
 
@@ -275,6 +275,8 @@ def compile_pte(
             "encodings": {name: g["encodings"] for name, g in graphs.items()}, "delegation": delegation,
             "soc": backend.soc.value, "qnn": sdk.version, "qdq_key": qdq.key,
             "sliding_window": first["meta"].get("get_sliding_window"),
+            # QNN's DDR bandwidth summary of one call of each graph (None: not told apart), for the speed estimate
+            "ddr": {name: g.get("ddr") for name, g in graphs.items()},
             "lowering": {"workers": max(used, 1), "contexts": "per_graph" if per_graph else "shared",
                          "num_sharding": backend.num_sharding},
         }
@@ -365,6 +367,22 @@ def lower_graphs(graphs: dict, constant_methods=None, generate_etrecord: bool = 
         )
 
 
+def lower_graphs_measured(graphs: dict, constant_methods=None):
+    """lower_graphs, keeping what QNN's preparation says each graph reads and writes per call (its DDR bandwidth
+    summary, qexp/speed/ddr.py) in the graph's dict as `ddr` (None where the summaries cannot be told apart)."""
+    from qexp.speed import ddr
+
+    with ddr.captured() as text:
+        edge = lower_graphs(graphs, constant_methods)
+    summaries = ddr.parse(text[0])
+    if len(graphs) == 1:
+        next(iter(graphs.values()))["ddr"] = ddr.total(summaries)
+    else:  # one shared context: a summary per graph, in order, when there is exactly one each
+        for graph, summary in zip(graphs.values(), summaries if len(summaries) == len(graphs) else []):
+            graph["ddr"] = summary
+    return edge
+
+
 def constant_methods_of(graphs: dict) -> dict:
     """The program's constant methods (upstream's metadata and the logits' encoding), from the first graph."""
     first = next(iter(graphs.values()))
@@ -392,7 +410,7 @@ def _lower(builders: dict, timer: StageTimer, w4_as_lpbq: bool, workers: int = 0
     if workers >= 1:
         with timer.stage("lower"), w4_encoding:
             lower = lower_in_workers if workers > 1 else lower_in_turn
-            programs, graphs = lower(builders, lower_graphs)
+            programs, graphs = lower(builders, lower_graphs_measured)
             edge = EdgeProgramManager(programs, constant_methods_of(graphs), compile_config=qnn_edge_config())
         for name, graph in graphs.items():  # a graph built in a worker: its build time, as if built here
             timer.durations.setdefault(f"quantize_{name}", graph["quantize_s"])
@@ -402,7 +420,7 @@ def _lower(builders: dict, timer: StageTimer, w4_as_lpbq: bool, workers: int = 0
         graphs = {name: build() for name, build in builders.items()}
         together = " + ".join(graphs)  # one call lowers every graph into one QNN context
         with timer.stage("lower"), w4_encoding, lowering_bars({together: "this process"}) as done:
-            edge = lower_graphs(graphs, constant_methods_of(graphs))
+            edge = lower_graphs_measured(graphs, constant_methods_of(graphs))
             done(together)
         graphs = {name: graph_info(graph) for name, graph in graphs.items()}
     # what the lowering freed (ExecuTorch's intermediate programs) back to the OS before the program is emitted and

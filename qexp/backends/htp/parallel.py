@@ -63,8 +63,8 @@ def lower_in_workers(graphs: Dict[str, Builder], lower_one: Callable[[Dict[str, 
             with lowering_bars(labels_for(names, pending),
                                {name: _finish_time(name, Path(tmp)) for name in pending}) as done:
                 graph = graphs[names[0]]()
-                infos[names[0]] = graph_info(graph)
                 here = lower_one({names[0]: graph})
+                infos[names[0]] = graph_info(graph)  # after lowering: the lowering adds to it (QNN's DDR summary)
                 programs = {names[0]: here.exported_program(names[0])}
                 seconds[names[0]] = done(names[0])
                 del here, graph
@@ -97,8 +97,8 @@ def lower_in_turn(graphs: Dict[str, Builder], lower_one: Callable[[Dict[str, dic
     for name in graphs:
         with lowering_bars({name: "this process"}) as done:
             graph = graphs[name]()
-            infos[name] = graph_info(graph)
             programs[name] = lower_one({name: graph}).exported_program(name)
+            infos[name] = graph_info(graph)
             seconds[name] = done(name)
         del graph
         drop_unused_weights(programs[name])
@@ -146,9 +146,8 @@ def _fork(name: str, build: Builder, lower_one, tmp: Path) -> int:
         handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
         logging.getLogger().addHandler(handler)
         graph = build()
-        info = graph_info(graph)
         payload = to_payload(lower_one({name: graph}).exported_program(name))
-        payload["log"], payload["info"] = log_buffer.getvalue(), info
+        payload["log"], payload["info"] = log_buffer.getvalue(), graph_info(graph)
         with open(tmp / f"{name}.partial", "wb") as f:
             pickle.dump(payload, f, protocol=5)
         os.replace(tmp / f"{name}.partial", tmp / f"{name}.pkl")

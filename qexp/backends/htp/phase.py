@@ -19,7 +19,7 @@ from qexp.backends.htp.lower import META_FILE, PREFILL_GRAPH, DeployedProgram, c
 from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
 from qexp.cache import stable_hash
 from qexp.data.windows import Windows
-from qexp.errors import InputError
+from qexp.errors import ConfigError, InputError
 from qexp.eval.perplexity import cached_evaluation, evaluate
 
 log = logging.getLogger("qexp")
@@ -68,12 +68,51 @@ def run_phase(inputs: PhaseInputs, adb=None) -> PhaseResult:
     for graph, counts in program.meta["delegation"].items():
         result.metrics[f"delegated_nodes_{graph}"] = counts["delegated"]
         result.metrics[f"non_delegated_nodes_{graph}"] = counts["non_delegated"]
+    estimate_speed(inputs, program, result)
     if device is not None:
         from qexp.backends.htp.android import run_on_device
 
         return run_on_device(inputs, program, device, result)
     _evaluate_on_emulator(inputs, program, result)
     return result
+
+
+def estimate_speed(inputs: PhaseInputs, program: DeployedProgram, result: PhaseResult) -> None:
+    """The program's speed on a phone with its SoC, estimated (qexp/speed): TTFT at the bench's prompt length,
+    prefill and decode tokens/s, each with the model's error; and QNN's DDR summary of each graph, whose spills
+    say the program is slower than its weights suggest."""
+    from qexp.speed import DECODE_GRAPH, estimate_program
+    from qexp.speed.bytes import Shapes
+
+    for graph, ddr in (program.meta.get("ddr") or {}).items():
+        for key, value in (ddr or {}).items():
+            result.metrics[f"ddr_{key}_{graph}"] = value
+    spilling = {g: d for g, d in (program.meta.get("ddr") or {}).items() if d and d["spill_bytes"] + d["fill_bytes"]}
+    if spilling:
+        result.tags["ddr_spills"] = ",".join(spilling)
+        log.warning("QNN says %s spill%s activations to DRAM (%s): slower on a phone than its weights say, beyond "
+                    "what the speed estimate counts", ", ".join(spilling), "s" if len(spilling) == 1 else "",
+                    "; ".join(f"{g}: spill {d['spill_bytes']:,} / fill {d['fill_bytes']:,} bytes"
+                              for g, d in spilling.items()))
+    soc = program.meta["soc"]
+    try:
+        estimate, bytes_source, counts = estimate_program(Shapes.of(inputs.model.params), inputs.cfg.quant,
+                                                          program.meta, int(inputs.cfg.backend.bench.prompt_len))
+    except ConfigError as exc:  # a SoC without published figures: the run goes on without an estimate
+        log.warning("no speed estimate: %s", exc)
+        result.tags["speed_source"] = "none"
+        return
+    result.metrics.update(estimate.metrics())
+    for graph, count in counts.items():
+        result.metrics[f"stream_bytes_{graph}"] = count["analytic"].total
+        if count["qnn"] is not None:
+            result.metrics[f"qnn_vs_counted_bytes_{graph}"] = count["qnn"].total / count["analytic"].total
+    result.metrics["weight_bytes_streamed"] = counts[DECODE_GRAPH]["analytic"].weights
+    result.tags.update({"speed_source": estimate.source, "speed_bytes_source": bytes_source, "speed_soc": soc})
+    log.info("speed on %s, estimated (%s, bytes from %s): decode %.0f tok/s, TTFT %.1f ms for %d prompt tokens "
+             "(prefill %.0f tok/s); the model's median error on published figures: decode %.0f%%, TTFT %.0f%%",
+             soc, estimate.source, bytes_source, estimate.decode_tok_s, estimate.ttft_ms, estimate.prompt_len,
+             estimate.prefill_tok_s, 100 * estimate.decode_err, 100 * estimate.ttft_err)
 
 
 def _evaluate_on_emulator(inputs: PhaseInputs, program: DeployedProgram, result: PhaseResult) -> None:
@@ -85,7 +124,12 @@ def _evaluate_on_emulator(inputs: PhaseInputs, program: DeployedProgram, result:
                                                                inputs.model.tokenizer, inputs.cache)
     result.tags.update({"deployed_eval_path": path, "deployed_eval_path_reason": reason,
                         "deployed_eval_cache_hit": str(hit).lower()})
-    _bench(inputs, runner, result)
+    backend = inputs.cfg.backend
+    if backend.bench.emulator or backend.model_mode == ModelMode.lookahead:  # lookahead: checks it decodes losslessly
+        _bench(inputs, runner, result)
+    else:
+        log.info("emulator speed bench skipped (the x86 emulator's timings are this host's, not a phone's; "
+                 "backend.bench.emulator=true runs it)")
 
 
 def score_on_emulator(program: DeployedProgram, runner, windows: Windows, backend, tokenizer, cache):

@@ -22,7 +22,7 @@ def run_phase(inputs: PhaseInputs) -> PhaseResult:
     max_prefill = max(windows.seq_len, bench.prompt_len)
     with timer.stage("export_xnnpack"):
         program = export_program(inputs.model, backend, context, max_prefill, inputs.cache, inputs.versions)
-    result = PhaseResult(tags={"target": "cpu", "pte_cache_key": program.key,
+    result = PhaseResult(tags={"target": "cpu", "speed_source": "measured", "pte_cache_key": program.key,
                                "pte_cache_hit": str(program.cache_hit).lower()})
     result.metrics["pte_bytes"] = program.pte_bytes
     runner = XnnpackRunner(program, backend.threads)

@@ -1,0 +1,114 @@
+"""The speed model: how long one call of a deployed HTP graph takes on a SoC, from the bytes it streams and the
+work it does. Its parameters are fitted to published device figures (qexp/speed/fit.py).
+
+One call of a graph (decode: AR-1; prefill: one chunk of AR-N tokens) costs
+
+    fixed + max(memory, compute)
+    fixed   = head_ops * head_op_us / relative_compute
+    memory  = bytes / (bandwidth_efficiency * peak_gbs * relative_compute ** compute_exponent)
+              + kv_extra * kv_cache_bytes / peak_gbs
+    compute = flops / (prefill_tops * relative_compute)
+
+- `head_ops` = layers x (heads + 2 x KV heads): upstream's lowering splits attention into single-head ops
+  (use_mha2sha), so a model with many heads pays a per-op cost that its bytes do not show (Qwen3-0.6B's 16 heads
+  of 128 against Qwen2.5-0.5B's 14 of 64: ~2x slower at similar bytes).
+- the achieved bandwidth grows with the NPU generation, not only with DRAM's peak: SM8650 -> SM8750 gave
+  1.21-1.45x on the same programs where peak bandwidth grew 1.10x.
+- reading the KV cache costs more per byte than reading weights (strided, per head).
+- a decode step's compute is negligible beside its bytes; a prefill chunk of 128 tokens is compute-bound.
+It cannot know a phone's thermal state, other apps, the runner's own overheads, or the DRAM clock a phone runs at.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, List, Optional
+
+import numpy as np
+
+from qexp.speed.bytes import Shapes, StreamBytes
+
+VERSION = "roofline-v1"
+
+
+def head_ops(shapes: Shapes) -> int:
+    return shapes.n_layers * (shapes.n_heads + 2 * shapes.n_kv_heads)
+
+
+def flops(shapes: Shapes, ar_len: int, context: int) -> float:
+    """Multiply-adds x 2 of one call: every linear on ar_len tokens, and attention over the whole cache."""
+    attention = 2 * 2 * ar_len * context * shapes.n_heads * shapes.head_dim * shapes.n_layers
+    return 2.0 * shapes.linear_params() * ar_len + attention
+
+
+@dataclass(frozen=True)
+class SpeedModel:
+    bandwidth_efficiency: float  # fraction of the peak DRAM bandwidth a weight stream gets at relative_compute 1
+    compute_exponent: float  # achieved bandwidth ~ peak x relative_compute ** this
+    head_op_us: float  # fixed cost per layer and single-head attention op at relative_compute 1, microseconds
+    kv_extra: float  # extra cost of a KV-cache byte, in units of a byte at the peak bandwidth
+    prefill_tops: float = 10.0  # effective tera-ops/s of a prefill chunk at relative_compute 1
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def call_seconds(self, shapes: Shapes, streamed: StreamBytes, soc, ar_len: int, context: int) -> float:
+        """One call of the AR-`ar_len` graph on `soc` (a qexp.speed.data.Soc)."""
+        return float(self.seconds(CallFeatures.of(shapes, streamed, soc, ar_len, context)))
+
+    def seconds(self, f: "CallFeatures"):
+        """call_seconds on features (numpy arrays of many calls at once, as the fit evaluates them)."""
+        fixed = f.head_ops * self.head_op_us * 1e-6 / f.relative_compute
+        bandwidth = self.bandwidth_efficiency * f.peak_gbs * 1e9 * f.relative_compute ** self.compute_exponent
+        memory = f.total_bytes / bandwidth + self.kv_extra * f.kv_bytes / (f.peak_gbs * 1e9)
+        compute = f.flops / (self.prefill_tops * 1e12 * f.relative_compute)
+        return fixed + np.maximum(memory, compute)
+
+    def ttft_seconds(self, shapes: Shapes, chunk: StreamBytes, soc, ar_len: int, context: int, prompt: int) -> float:
+        """The prompt in ceil(prompt / ar_len) calls of the AR-N graph (the first token comes from the last)."""
+        return math.ceil(prompt / ar_len) * self.call_seconds(shapes, chunk, soc, ar_len, context)
+
+
+@dataclass(frozen=True)
+class CallFeatures:
+    """What the model reads of one graph call (floats, or numpy arrays over many calls)."""
+
+    head_ops: Any
+    total_bytes: Any
+    kv_bytes: Any
+    flops: Any
+    peak_gbs: Any
+    relative_compute: Any
+
+    @classmethod
+    def of(cls, shapes: Shapes, streamed: StreamBytes, soc, ar_len: int, context: int) -> "CallFeatures":
+        return cls(head_ops(shapes), streamed.total, streamed.kv_cache, flops(shapes, ar_len, context), soc.peak_gbs,
+                   soc.relative_compute)
+
+    @classmethod
+    def stack(cls, features: List["CallFeatures"]) -> "CallFeatures":
+        return cls(*(np.array([getattr(f, field.name) for f in features], dtype=float) for field in fields(cls)))
+
+
+@dataclass(frozen=True)
+class SpeedEstimate:
+    """A program's estimated speed on one SoC; `*_err` is the model's median leave-one-out relative error."""
+
+    soc: str
+    decode_tok_s: float
+    decode_ms_per_token: float
+    ttft_ms: float
+    prefill_tok_s: float
+    prompt_len: int
+    prefill_ar_len: Optional[int]  # None: the prompt goes token by token through the decode graph (kv mode)
+    decode_bytes: float  # bytes one decode step streams
+    decode_err: float
+    ttft_err: float
+    source: str  # estimate:<model version>+<data hash>
+
+    def metrics(self) -> dict:
+        return {"decode_tok_s_est": self.decode_tok_s, "decode_ms_per_token_est": self.decode_ms_per_token,
+                "ttft_ms_est": self.ttft_ms, "prefill_tok_s_est": self.prefill_tok_s,
+                "decode_bytes_per_token_est": self.decode_bytes, "decode_tok_s_est_err": self.decode_err,
+                "ttft_ms_est_err": self.ttft_err}
