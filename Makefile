@@ -2,7 +2,7 @@
 VENV_PY := .venv/bin/python
 EXPERIMENT ?= 16a4w_wikitext
 
-.PHONY: setup run test test-fast bench ui notebook
+.PHONY: setup run test test-fast bench ui notebook docs
 
 setup:
 	@bash scripts/setup.sh
@@ -26,3 +26,7 @@ ui: setup
 # Re-execute notebooks/compare.ipynb against the committed results and save it with its outputs.
 notebook: setup
 	$(VENV_PY) scripts/build_notebook.py
+
+# The manual (docs/) as a static site in site/, built strictly (a broken link or a missing page fails).
+docs: setup
+	.venv/bin/mkdocs build --strict -d site

@@ -1,6 +1,6 @@
 """What each quantization algorithm costs on its own: rotation, AWQ and GPTQ applied to the loaded model, one after
 the other in one process, on the same calibration data, each computed (a throwaway cache, so never a cache hit).
-Prints seconds per algorithm against issue #17's targets on SmolLM2-135M and this 2-core machine (rotations < 30 s,
+Prints seconds per algorithm against the project's targets on SmolLM2-135M and this 2-core machine (rotations < 30 s,
 AWQ < 3 min, GPTQ < 3 min) and logs them to the MLflow experiment `benchmarks`. SeqMSE is not here: it searches
 during calibration, so its cost is in the quantize stage of a run with algorithm=[seq_mse].
 Run it on an otherwise idle machine; times with another job on the same cores are upper bounds.

@@ -6,10 +6,10 @@ subprocess `python -m qexp +experiment=16a4w_wikitext` (the baseline from a `git
 same .venv). Per run: wall time, each stage's time, the peak memory of the whole process tree (compile workers and the
 watchdog included: the sum of their RSS sampled every 0.2 s, an upper bound, see TreeMemory; and the peak rise of
 the machine's memory in use, which counts pages a forked worker shares with its parent once), and the terminal lines
-the run printed. Then the ratios this / baseline and this /
-target, and whether both sides give the same perplexities (they must: a speed change may not change a result).
-Targets (issue #13, a 2-core 24 GiB box): cold <= 8 min, warm <= 2 min, peak memory <= 6 GiB. Logged as one run of
-the MLflow experiment `benchmarks`; emulator stages are x86 HTP emulator time, not phone time.
+the run printed. Then the ratios this / baseline and this / target, and whether both sides give the same
+perplexities (they must: a speed change may not change a result). Targets (the project's, on a 2-core 24 GiB box):
+cold <= 8 min, warm <= 2 min, peak memory <= 6 GiB. Logged as one run of the MLflow experiment `benchmarks`;
+emulator stages are x86 HTP emulator time, not phone time.
 
     .venv/bin/python benchmarks/bench_default.py                        # vs HEAD~1
     .venv/bin/python benchmarks/bench_default.py --baseline a5f432f     # vs a given commit

@@ -70,7 +70,7 @@ def main() -> None:
         "time_prefill_path_s": t_prefill, "time_kv_path_s": t_kv, "speedup_prefill_vs_kv": t_kv / t_prefill,
         "ppl_prefill_path": p_prefill, "ppl_kv_path": p_kv, "ppl_rel_diff": abs(p_prefill / p_kv - 1),
         # robust agreement measures: a short window's perplexity moves by % under rounding-level perturbations of a
-        # quantized SmolLM2 (README), the logits themselves do not
+        # quantized SmolLM2 (docs/research/), the logits themselves do not
         "top1_agreement": (results["prefill"].argmax(-1) == results["kv"].argmax(-1)).float().mean().item(),
         "logits_sqnr_db": 10 * torch.log10(results["kv"].pow(2).sum() / (results["prefill"] - results["kv"]).pow(2)
                                            .sum().clamp_min(1e-30)).item(),

@@ -1,4 +1,5 @@
-"""Diagnostic: where the HTP compile's memory goes (issue #13's peak-memory target), one step at a time.
+"""Diagnostic: where the HTP compile's memory goes (against the default run's 6 GiB peak-memory target), one step
+at a time.
 
 Runs the configured experiment (default: the default experiment, SmolLM2 16a4w hybrid) through the QDQ phase (cached
 stages are cache hits), frees what the deploy stage frees (garbage collection, then glibc's malloc_trim, as

@@ -2,13 +2,14 @@
 
 For a few decoder layers of the configured model, every linear is quantized onto its QNN grid by round-to-nearest,
 by GPTQ in column order (dynamic block scales) and by GPTQ with act_order, each from the Hessian of the calibration
-tokens. Prints the relative output error ||(W - Q) X|| ^ 2 / ||W X|| ^ 2 of each on the calibration tokens and on the
-first evaluation windows (held out), the layers' inputs taken from the float model. This is how qexp found why
-GPTQ in column order lost to RTN on SmolLM2 (qexp/transforms/gptq.py's docstring): the down projections overfit
-the calibration Hessian. The clip columns are round-to-nearest and GPTQ (act_order) onto weight_clip's scales
-(the weights' own rounding error minimised): this is how qexp found why weight_clip alone loses on SmolLM2 (the
-README's algorithm section): the early down projections' held-out error grows up to 12x. The out_clip columns are
-the same onto weight_clip's `objective: outputs` scales (the calibration tokens' output error minimised).
+tokens. Prints the relative output error ||(W - Q) X|| ^ 2 / ||W X|| ^ 2 of each on the calibration tokens and on
+the first evaluation windows (held out), the layers' inputs taken from the float model. This is how qexp found why
+GPTQ in column order lost to RTN on SmolLM2 (docs/research/2026-11-25-algorithms-smollm2.md): the down projections
+overfit the calibration Hessian. The clip columns are round-to-nearest and GPTQ (act_order) onto weight_clip's
+scales (the weights' own rounding error minimised): this is how qexp found why weight_clip alone loses on SmolLM2
+(docs/research/2026-11-26-weight-clip-and-calibration.md): the early down projections' held-out error grows up to
+12x. The out_clip columns are the same onto weight_clip's `objective: outputs` scales (the calibration tokens'
+output error minimised).
 
     .venv/bin/python benchmarks/diag_gptq_heldout.py                       # SmolLM2, LPBQ block 32
     .venv/bin/python benchmarks/diag_gptq_heldout.py --layers 0,5 quant=16a4w calibration.limit=32

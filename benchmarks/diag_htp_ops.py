@@ -30,7 +30,7 @@ them says `+heads`. SmolLM2 ~10 min, Gemma-3-270M ~8 min and ~13 GiB on this mac
 Read the reference check line first: it gives how far the reference (the QDQ program computed from the graph after
 QNN's passes) is from the converted QDQ graph at the logits. Where that is no better than HTP's own agreement (Gemma-3
 -270M: 17.8 dB at 16a4w against HTP's 16.2), the program amplifies rounding differences and per-op figures cannot
-single out an HTP op (README, Gemma-3-270m).
+single out an HTP op (docs/research/2026-11-27-gemma-on-htp.md).
 """
 
 from __future__ import annotations

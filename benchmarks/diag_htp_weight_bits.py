@@ -3,10 +3,11 @@
 Takes one weight matrix of the model (default SmolLM2's layer-0 gate projection) and a Gaussian copy of it, quantizes
 a single linear layer (as the 1x1 conv the static llama runs) with QnnQuantizer at 16a8w and 16a4w (per-channel
 weights), lowers it to HTP, runs it on the x86 HTP emulator and prints the SQNR of HTP vs QDQ and of both vs fp32.
-This is where the 16a4w HTP-vs-QDQ perplexity gap on SmolLM2 comes from (see README, "Measured here"), and the
-regression check of its fix: `16a4w_lpbq` is the same 16a4w QDQ program lowered with qexp's default
-backend.w4_lowering=lpbq (measured: 67.0 dB per-channel -> 85.6 dB, as 16a8w's 86.0 dB); `16a4w_block` is qexp's
-block recipe (quant.block_size, LPBQ block scales as quant.block_scale_rounding says).
+This is where the 16a4w HTP-vs-QDQ perplexity gap on SmolLM2 comes from
+(docs/research/2026-11-21-htp-4bit-kernels-and-sensitivity.md), and the regression check of its fix: `16a4w_lpbq` is
+the same 16a4w QDQ program lowered with qexp's default backend.w4_lowering=lpbq (measured: 67.0 dB per-channel ->
+85.6 dB, as 16a8w's 86.0 dB); `16a4w_block` is qexp's block recipe (quant.block_size, LPBQ block scales as
+quant.block_scale_rounding says).
 Each scheme is also computed by the QDQ program with HTP's integer arithmetic (eval.htp_exact,
 qexp/quant/htp_arithmetic.py): "HTP vs htp_exact" and the share of bit-exact outputs say how well that model predicts
 the emulator.

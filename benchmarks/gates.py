@@ -1,4 +1,4 @@
-"""Regression gates (#18): bars like upstream's CI, on the shipped SmolLM2-135M, printed as PASS/FAIL and logged.
+"""Regression gates: bars like upstream's CI, on the shipped SmolLM2-135M, printed as PASS/FAIL and logged.
 
   1. FP: qexp's static llama vs Hugging Face transformers on the same evaluation windows: within 0.1% in perplexity.
   2. QDQ 16a8w within 2% of FP (`ppl_qdq_vs_fp`).

@@ -8,7 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# The same numbers on every x86-64 host (#18): PyTorch picks its CPU kernels by the host's instruction set (DEFAULT,
+# The same numbers on every x86-64 host: PyTorch picks its CPU kernels by the host's instruction set (DEFAULT,
 # AVX2, AVX512), and the QDQ program's fake quantization turns their last-bit differences into different rounding:
 # SmolLM2 16a4w, 2 windows, one AMD EPYC host, ppl 45.72 with AVX512 kernels, 46.09 with AVX2, 45.41 with DEFAULT
 # (FP: 1e-8 relative). qexp pins the AVX2 kernels, which every x86-64 host of the last decade has; MKL's own dispatch
@@ -21,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 # Across CPU vendors this is not enough: MKL's AVX2 branch is Intel's only (on other CPUs MKL takes its AUTO branch),
 # and on an Intel host the AVX2, COMPATIBLE and AUTO branches give different sgemm bits; COMPATIBLE is the branch MKL
-# documents for Intel and compatible CPUs alike, at ~2.6x the sgemm time (README: across CPU vendors). Set
+# documents for Intel and compatible CPUs alike, at ~2.6x the sgemm time (docs/reproducibility.md). Set
 # MKL_CBWR=COMPATIBLE yourself to try it: runs tag it (numerics.mkl_cbwr) and the cache keys include it.
 os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")
 

@@ -192,8 +192,8 @@ class TextConfig:
 class EvalConfig:
     name: str = "wikitext"
     seq_len: int = 256  # tokens per window (including BOS when the model adds one)
-    # number of windows, or "all": every whole window of the test half of the text (~1,100 of 256 tokens in the
-    # gensim excerpt; what resolving a 1% difference takes, see the README)
+    # number of windows, or "all": every whole window of the test half of the text (1,467 of 256 tokens in the
+    # gensim excerpt; what resolving a 1% difference takes: docs/results-and-ui.md)
     limit: Any = 8
     # The QDQ phase with HTP's integer arithmetic for 16-bit-activation layers (qexp/quant/htp_arithmetic.py: the
     # accumulator's low 8 bits dropped, LPBQ block scales as encoded), so its perplexity predicts HTP's. Changes no

@@ -139,7 +139,7 @@ def numerics_key() -> str:
     part of it: with the same pinned kernels (AVX2, MKL_CBWR) an Intel Xeon and an AMD EPYC host calibrated SmolLM2's
     default experiment to different programs (QDQ 47.165 vs 46.994, HTP 39.13 vs 39.66), so a cache shared between
     hosts must not hand one host's result to another. So is MKL's code branch where the user chose another one: on an
-    Intel Xeon host MKL_CBWR=AVX2, COMPATIBLE and AUTO give three different sgemm results (README, across CPU vendors);
+    Intel Xeon host MKL_CBWR=AVX2, COMPATIBLE and AUTO give three different sgemm results (docs/reproducibility.md);
     the pinned branch adds nothing, which keeps earlier keys valid."""
     import torch
 

@@ -315,7 +315,7 @@ def htp_exact_hint(backend: str, qdq_arithmetic, metrics: dict):
         return None
     return (f"HTP departs from the fake-quant QDQ program by {100 * metrics['ppl_deployed_vs_qdq']:+.2f}%, beyond its "
             f"interval: eval.htp_exact=true scores the QDQ phase with the arithmetic HTP runs (16-bit norms floored, "
-            f"the convolutions' accumulator; README, \"HTP's arithmetic in the QDQ phase\")")
+            f"the convolutions' accumulator; docs/htp-arithmetic.md)")
 
 
 def grid_tags(cfg) -> dict:

@@ -1,4 +1,4 @@
-"""Bad model input (#15): an architecture qexp cannot serve, a tokenizer that does not fit the weights, a checkpoint
+"""Bad model input: an architecture qexp cannot serve, a tokenizer that does not fit the weights, a checkpoint
 whose shapes disagree with its config, an unreadable GGUF: one `qexp: error:` line each, exit 2, and the MLflow run
 FAILED with the reason; nothing is calibrated."""
 

@@ -105,7 +105,7 @@ def test_compare_flags_runs_on_other_windows(store):
 
 
 def test_compare_flags_runs_on_another_cpu(store):
-    """#18: an Intel and an AMD host calibrate the same config to different programs, so two runs on different CPU
+    """an Intel and an AMD host calibrate the same config to different programs, so two runs on different CPU
     models get no paired interval (the tag is restored afterwards: the store is shared by this module's tests)."""
     import mlflow
 

@@ -229,7 +229,7 @@ def test_gemma3_270m_matches_transformers(compose, cache_dir, corpus):
         theirs = evaluate(lambda ids: hf(torch.as_tensor(ids, dtype=torch.long)[None]).logits[0], windows, "hf").metrics()
     print(f"gemma3_270m: ppl static {ours['ppl']:.6f} transformers {theirs['ppl']:.6f}")
     assert ours["ppl"] == pytest.approx(theirs["ppl"], rel=1e-3), (ours["ppl"], theirs["ppl"])
-    assert 10 < ours["ppl"] < 100  # a sane base model on Wikipedia text (FIELD-NOTES: ~23 on 512-token windows)
+    assert 10 < ours["ppl"] < 100  # a sane base model on Wikipedia text (~23 on 512-token windows)
 
 
 @pytest.mark.parametrize("overrides", [

@@ -1,4 +1,4 @@
-"""Fault injection (#14): each fault ends in one clear line, a non-zero exit and a FAILED (or KILLED) run with the
+"""Fault injection: each fault ends in one clear line, a non-zero exit and a FAILED (or KILLED) run with the
 reason, loses no finished run, and leaves nothing half-written that looks valid. The other faults of the suite live
 beside the features they test: a failing job mid-sweep (test_sweep: the poisoned job), SIGKILL mid-sweep
 (test_reliability), truncated and corrupt cache entries of every kind (test_cache), an unreachable server at start

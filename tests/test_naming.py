@@ -1,4 +1,4 @@
-"""What the MLflow UI shows first (#16): run names short and distinct within a sweep, one-line descriptions."""
+"""What the MLflow UI shows first: run names short and distinct within a sweep, one-line descriptions."""
 
 from __future__ import annotations
 

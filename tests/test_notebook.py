@@ -1,4 +1,4 @@
-"""The committed notebook (#16): its cells are scripts/build_notebook.py's, and it carries their outputs (tables and
+"""The committed notebook: its cells are scripts/build_notebook.py's, and it carries their outputs (tables and
 plots of the committed results), so a code host shows them. The executed-against-a-real-sweep test is in
 test_sweep.py (test_notebook_executes)."""
 

@@ -1,4 +1,4 @@
-"""The report's plots (issue #16): Pareto fronts, collapsed points off the y axis, identical points named together,
+"""The report's plots: Pareto fronts, collapsed points off the y axis, identical points named together,
 the caption's text and windows, no overlapping text, and --replot of a committed report. No model runs."""
 
 from __future__ import annotations

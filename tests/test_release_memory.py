@@ -1,5 +1,5 @@
 """qexp.timing.release_memory: what the deploy stage and the compile call between stages to hand freed heap pages
-back to the OS (#13's peak memory). Linux/glibc only, like the machines qexp runs on."""
+back to the OS (its peak memory). Linux/glibc only, like the machines qexp runs on."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def test_cold_and_warm_runs_agree_exactly(compose, tmp_path):
 
 
 def test_thread_count_does_not_change_results(compose, tmp_path):
-    """#18: the same config with 1 and with 2 PyTorch threads gives bit-identical results (measured on SmolLM2 too:
+    """the same config with 1 and with 2 PyTorch threads gives bit-identical results (measured on SmolLM2 too:
     FP and QDQ logits identical), so the thread count is recorded (numerics.torch_threads) but needs no pinning."""
     import torch
 
@@ -64,7 +64,7 @@ def _qexp_run(tmp_path, env_extra, store):
 
 
 def test_cpu_kernels_are_pinned_and_recorded(tmp_path):
-    """#18: qexp pins PyTorch's CPU kernels to AVX2 on every host (they change QDQ perplexities by ~1% between AVX2,
+    """qexp pins PyTorch's CPU kernels to AVX2 on every host (they change QDQ perplexities by ~1% between AVX2,
     AVX512 and DEFAULT); a run with other kernels says so in its tags and never shares cache entries with them."""
     store = f"sqlite:///{tmp_path / 'mlruns.db'}"
     pinned = _qexp_run(tmp_path, {}, store)

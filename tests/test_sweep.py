@@ -66,7 +66,7 @@ def test_parent_and_children(sweeps, store_uri):
         assert child.info.status == "FINISHED" and child.data.tags["qexp.sweep"] == "quant_grid"
         assert {"ppl_fp", "weights_mb", "time_eval_fp_s"} <= set(child.data.metrics)
         assert {"config_hash", "text_source", "eval_windows_sha256"} <= set(child.data.tags)
-    # #16: short distinct names, the sweep's result as the parent's description
+    # short distinct names, the sweep's result as the parent's description
     assert sorted(r.info.run_name for r in children) == ["tiny · 16a4w · RTN · none", "tiny · fp32 · RTN · none"]
     assert parent.data.tags["mlflow.note.content"].startswith("sweep quant_grid: 2 jobs (2 finished")
     # the FP phase is evaluated once and shared by the second job

@@ -54,7 +54,7 @@ def _check_run(client: MlflowClient, run_id: str, cfg):
 
 
 def _check_what_the_ui_shows(client: MlflowClient, run, cfg):
-    """#16: the UI opens on the runs table; a run has a short readable name, a one-line result and its datasets."""
+    """the UI opens on the runs table; a run has a short readable name, a one-line result and its datasets."""
     experiment = client.get_experiment(run.info.experiment_id)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     assert "ppl_qdq" in experiment.tags["mlflow.note.content"]

@@ -1,4 +1,4 @@
-"""The MLflow UI as a researcher sees it (#16), in a real headless Chromium against `python -m qexp.ui`: the runs table
+"""The MLflow UI as a researcher sees it, in a real headless Chromium against `python -m qexp.ui`: the runs table
 in qexp's view (names, one-line results, perplexity columns, datasets) and the charts that compare runs.
 
 Skips, saying why, where no Chromium is installed (`make test` installs Debian's). QEXP_UI_SCREENSHOTS=<dir> keeps

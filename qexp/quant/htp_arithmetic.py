@@ -3,7 +3,7 @@ the QDQ program (eval.htp_exact); a candidate model of its matmul for the diagno
 
 The QDQ (fake-quant) program computes each layer in float: y = conv(s_x (x_q - zp), s_w w_q). HTP computes it in
 integers, and with 16-bit activations it does not keep the whole accumulator. Measured on single layers through the
-x86 HTP emulator (benchmarks/diag_htp_weight_bits.py, #18), HTP's FullyConnected / Conv2d with uint16 activations:
+x86 HTP emulator (benchmarks/diag_htp_weight_bits.py), HTP's FullyConnected / Conv2d with uint16 activations:
   1. T = sum_c w[o, c] * (x_q[c] - 32768), exact (activations re-centred on 32768, whatever their zero point);
   2. drops T's low 8 bits with a floor: T' = floor(T / 256) * 256 (no rounding: a per-channel negative offset);
   3. adds the zero-point correction Z = (32768 - zp) * sum_c w[o, c], rounded to the same 256-unit grid;
@@ -64,8 +64,8 @@ fake-quant program; 29-43% are identical (which codes HTP gets depends on fixed-
 function of x does not carry). Eight-bit sigmoids and GELUs keep the program's arithmetic (not measured).
 HTP's sigmoid and GELU gave identical outputs with the emulator set to SM8450, SM8650 and SM8750 (a one-off probe).
 
-Whether a phone's HTP truncates the same way as the emulator cannot be checked on this machine (README, "HTP's
-arithmetic"): the android target's perplexity against an `htp_exact` run is that check.
+Whether a phone's HTP truncates the same way as the emulator cannot be checked on this machine
+(docs/htp-arithmetic.md): the android target's perplexity against an `htp_exact` run is that check.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ in {1, 1 - 1/clip_grid, ...} >= 1 - clip_max_shrink that minimises the block's p
 clipped (llm-awq: their error passes through the q.k product). Clipping changes the float function on purpose.
 
 Written here rather than imported: llm-awq needs CUDA; llm-compressor's AWQ runs on CPU only with patches, on the HF
-layout, and on its own [-8, 7] grid (see ../shared/reference/algorithm-libraries.md); torchao's is per linear (q, k,
-v would need three scales for one norm). This module works on qexp's Meta layout, so it composes with rotations.
+layout, and on its own [-8, 7] grid; torchao's is per linear (q, k, v would need three scales for one norm). This
+module works on qexp's Meta layout, so it composes with rotations.
 """
 
 from __future__ import annotations

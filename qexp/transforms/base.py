@@ -163,7 +163,7 @@ def build_transforms(algorithm_cfg) -> List[ModelTransform]:
         try:
             config = OmegaConf.merge(schema, settings or {})
         except Exception as exc:  # noqa: BLE001 - OmegaConf raises several types for a bad value or key
-            raise ConfigError(f"algorithm.{name}: {str(exc).splitlines()[0]}", "see conf/algorithm/README.md") from exc
+            raise ConfigError(f"algorithm.{name}: {str(exc).splitlines()[0]}", "see docs/algorithms.md") from exc
         transforms.append(cls(config))
     return transforms
 

@@ -9,22 +9,16 @@ captured from the model whose earlier layers are already quantized (the referenc
 
 The grid is QnnQuantizer's (qexp/transforms/grid.py). Per-channel scales are fixed before the updates, from the
 original weights (as the reference does without groups). Per-block scales are, as in the reference implementation's
-`groupsize` mode, chosen when GPTQ reaches each block, from the block's weights as the earlier columns' error updates
-left them (`static_groups=true`: all from the original weights, which act-order needs to keep QNN's block layout).
-In column order with static block scales the updates push weights past their block's range and the clipped error
-cascades: on SmolLM2 at LPBQ block 32 that made GPTQ worse than round-to-nearest (QDQ 37.0 vs 32.6). The dynamic
-block scales stay on HTP's LPBQ grid: the row's unit (largest original block scale / 16) is kept, each block's 4-bit
-multiple is chosen from its current weights, and the block holding the row's largest original scale keeps 16 units,
-so the lowering's re-encoding of the scales is the identity.
+`groupsize` mode, chosen when GPTQ reaches each block, from the block's weights as the earlier columns' error
+updates left them (`static_groups=true`: all from the original weights, which act-order needs to keep QNN's block
+layout). In column order with static block scales the updates push weights past their block's range and the clipped
+error cascades, hence the dynamic ones. The dynamic block scales stay on HTP's LPBQ grid: the row's unit (largest
+original block scale / 16) is kept, each block's 4-bit multiple is chosen from its current weights, and the block
+holding the row's largest original scale keeps 16 units, so the lowering's re-encoding of the scales is the
+identity.
 act_order (default true) visits the columns by decreasing diag H and therefore uses static block scales. It is the
-default because it is what makes GPTQ beat round-to-nearest on SmolLM2. Measured at LPBQ block 32 with 8 x 256
-calibration tokens, the float perplexity of the weights alone (FP 24.92) was 30.91 with act_order, 34.45 in column
-order with dynamic block scales, and 31.96 with RTN; the QDQ phase gave 31.41, 34.65 and 32.55. A probe of six layers
-(0, 1, 2, 5, 15, 29; relative output error, RTN / GPTQ in column order; `benchmarks/diag_gptq_heldout.py`): on the
-calibration tokens GPTQ is 1.9-35x lower, on held-out evaluation tokens 1.1-17x lower for q/k/v/o and gate/up, but
-the down projections' error is above RTN's in 4 of the 6 layers (RTN's is 0.61-0.91x of GPTQ's): they overfit the
-calibration Hessian. act_order lowers the held-out error further, mostly of the attention projections (up to 2.3x in
-layer 1), and leaves the down projections as they were (0.9-1.5x).
+default because on SmolLM2 it is what makes GPTQ beat round-to-nearest: in column order the down projections overfit
+the calibration Hessian (docs/research/2026-11-25-algorithms-smollm2.md has the figures).
 After `weight_clip` (`algorithm=[weight_clip,gptq]`, QuaRot's GPTQ with --w_clip) GPTQ rounds onto the scales it
 chose, all fixed before the updates, instead of absmax / qmax.
 Because a row whose updated weights never reach +-qmax would be re-observed by QnnQuantizer with a smaller scale, the
@@ -32,7 +26,7 @@ scales go to the quantize stage as exact weight ranges (LoadedModel.weight_range
 converted program's integers are GPTQ's.
 
 Written here: torchao's GPTQ asserts CUDA; llm-compressor's and gptqmodel's run on CPU but on a [-8, 7] grid with
-their own scales, on the HF layout (../shared/reference/algorithm-libraries.md).
+their own scales, on the HF layout.
 """
 
 from __future__ import annotations

@@ -5,11 +5,12 @@ channel j gets s_j = max|X_j|^alpha / max|W_:,j|^(1 - alpha) (the paper's Eq. 4;
 the rows of all linears sharing the input); X is divided by s (folded into the norm's weight) and W's columns are
 multiplied by s, so the float model keeps its function. It helps 8-bit activations: the smoothed linears must read
 8-bit inputs, by the scheme (8a8w, 8a4w) or by an override on them (the paper's W8A8 linears beside 16-bit norms and
-residual adds; on SmolLM2 it recovers two thirds of that loss at alpha 0.8, README). With 16-bit inputs the
-activation grid is not the bottleneck and qexp refuses it (see `validate`).
+residual adds; on SmolLM2 it recovers two thirds of that loss at alpha 0.8:
+docs/research/2026-11-27-smoothquant.md). With 16-bit inputs the activation grid is not the bottleneck and qexp
+refuses it (see `validate`).
 
 Written here (~20 lines of math): torchao's SmoothQuant is per linear (q and k would need different scales for one
-norm), llm-compressor's is function-breaking on Gemma 3 (../shared/reference/algorithm-libraries.md).
+norm), llm-compressor's is function-breaking on Gemma 3.
 """
 
 from __future__ import annotations

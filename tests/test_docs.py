@@ -1,0 +1,105 @@
+"""The documentation: README.md is a short front door and docs/ is the manual. The manual builds as a site with no
+broken link or anchor (mkdocs --strict), and it names everything a user can select or run, so a new config file,
+config group, benchmark script or module without documentation fails here (the drift test). No qexp issue number and
+no path outside the repository in what users read."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import CONF, REPO
+
+DOCS = REPO / "docs"
+README_MAX_LINES = 200
+
+
+def _docs_text() -> str:
+    return "\n".join(p.read_text(encoding="utf-8") for p in sorted(DOCS.rglob("*.md")))
+
+
+def _code_text(markdown: str) -> str:
+    """Everything in fenced code blocks and inline code spans: where config names, commands and paths are written."""
+    fenced = re.findall(r"^```[^\n]*\n(.*?)^```", markdown, re.M | re.S)
+    rest = re.sub(r"^```[^\n]*\n.*?^```", "", markdown, flags=re.M | re.S)
+    inline = re.findall(r"`([^`\n]+)`", rest)
+    indented = re.findall(r"^(?: {4}|\t)(.+)$", rest, re.M)
+    return "\n".join(fenced + inline + indented)
+
+
+def _named(name: str, text: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text) is not None
+
+
+def test_mkdocs_builds_strictly(tmp_path):
+    """`mkdocs build --strict`: every page in the nav exists, every link between pages and every anchor resolves."""
+    missing = [m for m in ("mkdocs", "material") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed (pip install mkdocs mkdocs-material): the docs site "
+                    f"cannot be built here")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+                           str(REPO / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
+
+
+def test_readme_is_a_front_door():
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, (f"README.md has {len(lines)} lines, at most {README_MAX_LINES}: move "
+                                            f"reference to docs/ and findings to docs/research/")
+    text = "\n".join(lines)
+    for command in ("make run", "make test"):
+        assert command in text
+
+
+def test_every_config_group_and_file_is_documented():
+    """Each conf/ group and each of its YAML files (e.g. quant/16a4w_block) is named in code in docs/."""
+    code = _code_text(_docs_text())
+    undocumented = []
+    for group in sorted(p for p in CONF.iterdir() if p.is_dir()):  # conf/sweep is a link to sweeps/
+        if not _named(group.name, code):
+            undocumented.append(f"{group.name}/")
+        for yaml in sorted(group.glob("*.yaml")):
+            if not _named(yaml.stem, code):
+                undocumented.append(f"{group.name}/{yaml.stem}")
+    assert not undocumented, f"config groups / files not named in docs/: {undocumented}"
+
+
+def test_every_benchmark_script_is_documented():
+    text = _docs_text()
+    scripts = sorted(p.name for p in (REPO / "benchmarks").iterdir()
+                     if p.suffix in (".py", ".sh") and p.name != "__init__.py")
+    undocumented = [s for s in scripts if not _named(s, text)]
+    assert not undocumented, f"benchmark scripts not named in docs/: {undocumented}"
+
+
+def test_every_module_is_listed_in_the_architecture():
+    listed = set(re.findall(r"^\| `(qexp/[^`]+\.py)` \|", (DOCS / "architecture.md").read_text(encoding="utf-8"),
+                            re.M))
+    modules = {p.relative_to(REPO).as_posix() for p in (REPO / "qexp").rglob("*.py")}
+    assert not modules - listed, f"modules missing from docs/architecture.md's list: {sorted(modules - listed)}"
+    assert not listed - modules, f"docs/architecture.md lists modules that do not exist: {sorted(listed - modules)}"
+
+
+ISSUE_REFERENCE = re.compile(r"#1[0-9]\b|\bissues? #\d+", re.I)
+
+
+def test_no_issue_numbers_or_outside_paths():
+    """What users read names no qexp issue number and no path outside the repository."""
+    files = [REPO / "README.md", REPO / "results" / "README.md", REPO / "CHANGELOG.md"]
+    files += sorted(DOCS.rglob("*.md"))
+    files += sorted(p for folder in (CONF, REPO / "sweeps") for p in folder.rglob("*") if p.is_file())  # conf/sweep
+    # is a link to sweeps/, which rglob does not follow
+    found = []
+    for path in files:
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if "../shared" in line or ISSUE_REFERENCE.search(line):
+                found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert not found, "issue numbers or outside paths:\n" + "\n".join(found)
