@@ -19,7 +19,6 @@ import contextlib
 import os
 import re
 import sys
-import tempfile
 from typing import Dict, Iterator, List, Optional
 
 HEADER = "DDR bandwidth summary"
@@ -54,24 +53,20 @@ def captured() -> Iterator[List[str]]:
     """What native code prints to fds 1 and 2 meanwhile, as one text in the yielded list once the block ends; the
     text is then written on to the fds it was taken from (an outer capture, native.log, or the terminal), so nothing
     is lost."""
+    from qexp.tracking.runlog import fds_captured
+
     out: List[str] = []
+    data: list = []
     sys.stdout.flush()
     sys.stderr.flush()
-    saved = {fd: os.dup(fd) for fd in (1, 2)}
-    with tempfile.TemporaryFile(mode="w+b") as sink:
-        try:
-            for fd in (1, 2):
-                os.dup2(sink.fileno(), fd)
+    try:
+        with fds_captured() as data:
             yield out
-        finally:
             sys.stdout.flush()
             sys.stderr.flush()
-            for fd, copy in saved.items():
-                os.dup2(copy, fd)
-                os.close(copy)
-            sink.seek(0)
-            data = sink.read()
-            out.append(data.decode("utf-8", errors="replace"))
-            view = memoryview(data)
-            while view:
-                view = view[os.write(2, view):]
+    finally:
+        raw = b"".join(data)
+        out.append(raw.decode("utf-8", errors="replace"))
+        view = memoryview(raw)
+        while view:
+            view = view[os.write(2, view):]

@@ -86,19 +86,36 @@ def native_output_captured(enabled: bool = True) -> Iterator[io.StringIO]:
     previous = {"stdout": sys.stdout, "stderr": sys.stderr,
                 "handlers": [(h, h.setStream(python_streams[id(h.stream)])) for h in handlers]}
     sys.stdout, sys.stderr = terminal[1], terminal[2]
+    captured: list = []
+    try:
+        with fds_captured(saved) as captured:
+            try:
+                yield buffer
+            finally:
+                sys.stdout, sys.stderr = previous["stdout"], previous["stderr"]
+                for handler, stream in previous["handlers"]:
+                    handler.setStream(stream)
+                for fd in saved:
+                    terminal[fd].flush()
+                    terminal[fd].close()
+    finally:
+        buffer.write(b"".join(captured).decode("utf-8", errors="replace"))
+
+
+@contextlib.contextmanager
+def fds_captured(saved: dict = None) -> Iterator[list]:
+    """What is written to file descriptors 1 and 2 meanwhile (C++ output included), as bytes in the yielded list
+    once the block ends; `saved` (fd -> a dup of it, made by the caller) is restored and closed at the end."""
+    saved = saved if saved is not None else {fd: os.dup(fd) for fd in (1, 2)}
+    out: list = []
     with tempfile.TemporaryFile(mode="w+b") as sink:
         try:
-            for fd in (1, 2):
+            for fd in saved:
                 os.dup2(sink.fileno(), fd)
-            yield buffer
+            yield out
         finally:
-            sys.stdout, sys.stderr = previous["stdout"], previous["stderr"]
-            for handler, stream in previous["handlers"]:
-                handler.setStream(stream)
             for fd, copy in saved.items():
-                terminal[fd].flush()
-                terminal[fd].close()
                 os.dup2(copy, fd)
                 os.close(copy)
             sink.seek(0)
-            buffer.write(sink.read().decode("utf-8", errors="replace"))
+            out.append(sink.read())
