@@ -8,7 +8,8 @@ their quant config (an algorithm changes the weights' values, not their bytes: a
     .venv/bin/python -m qexp +sweep=htp_speed
     .venv/bin/python -m qexp +sweep=htp_speed quant=16a4w_block quant.block_size=16,32,64
     for soc in SM8650 SM8750; do .venv/bin/python -m qexp.report --experiment sweeps --sweep htp_speed \\
-        --speed-estimate $soc --columns model,scheme,weight_grid,ppl_fp,ppl_qdq,delta_vs_fp,decode_tok_s,ttft_ms,speed_source,weights_mb \\
+        --speed-estimate $soc --columns model,scheme,tags.weight_grid,backend,ppl_fp,ppl_qdq,ppl_deployed,delta_vs_fp,\\
+decode_tok_s,ttft_ms,speed_source,weights_mb,decode_bytes_per_token_est \\
         --name htp_speed_$(echo $soc | tr A-Z a-z); done
     .venv/bin/python benchmarks/htp_speed_table.py
 """
@@ -41,14 +42,16 @@ def sweep_table() -> str:
     rows = []
     for i, row in base.iterrows():
         others = {soc: frames[soc][frames[soc]["run_id"] == row["run_id"]].iloc[0] for soc in SOCS}
-        rows.append([row["model"], row["scheme"], row.get("weight_grid", ""), f"{row['ppl_qdq']:.2f}", _interval(row),
+        deployed = f"{row['ppl_deployed']:.2f}" if pd.notna(row.get("ppl_deployed")) else "-"
+        rows.append([row["model"], row["scheme"], row.get("tags.weight_grid", ""), f"{row['ppl_qdq']:.2f}", deployed,
+                     _interval(row),
                      *(f"{others[soc]['decode_tok_s']:.0f}" for soc in SOCS),
                      *(f"{others[soc]['ttft_ms']:.1f}" for soc in SOCS),
-                     f"{others[SOCS[0]]['decode_bytes_per_token_est'] / 1e6:.1f}"
-                     if "decode_bytes_per_token_est" in others[SOCS[0]] else "-",
-                     str(row["run_id"])[:8]])
-    header = ["model", "scheme", "weight grid", "PPL QDQ", "Δ vs FP [95%]", *(f"decode tok/s {s}" for s in SOCS),
-              *(f"TTFT ms {s}" for s in SOCS), "MB per decode step", "run"]
+                     f"{others[SOCS[0]]['decode_bytes_per_token_est'] / 1e6:.1f}",
+                     " / ".join(others[soc]["speed_source"] for soc in SOCS), str(row["run_id"])[:8]])
+    header = ["model", "scheme", "weight grid", "PPL QDQ", "PPL HTP (x86_emulator)", "Δ vs FP [95%]",
+              *(f"decode tok/s {s}" for s in SOCS), *(f"TTFT ms {s}" for s in SOCS), "MB per decode step", "speed",
+              "run"]
     return _markdown(header, rows)
 
 

@@ -250,7 +250,8 @@ def caption(data: pd.DataFrame, points: pd.DataFrame, speed: bool) -> str:
     text = (f"Perplexity: token-level (lm-eval weighted_perplexity), the QDQ program where the run has one, else the "
             f"deployed program, else FP; {_eval_setting(data)}.{_subset_text(data)}")
     text += (" Speed: decode tokens/s, per speed source: `estimate <SoC>` is a phone's speed estimated from the "
-             "compiled program (docs/htp-speed.md), `measured <target>` was timed there; each has its own front."
+             "compiled program, `what-if <SoC>` from the run's config (docs/htp-speed.md), `measured <target>` was "
+             "timed there; each has its own front."
              if speed else
              " Size: the .pte where deployed, else the weights at their quantized widths.")
     text += " Filled markers (joined by a line): the Pareto front of their target; hollow: dominated."

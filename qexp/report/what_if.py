@@ -20,9 +20,12 @@ WHAT_IF = "what-if"
 
 
 def _config(run_id: str):
+    import os
+
     from mlflow.tracking import MlflowClient
     from omegaconf import OmegaConf
 
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one small file per run: no bar each
     return OmegaConf.load(MlflowClient().download_artifacts(run_id, "config.yaml"))
 
 

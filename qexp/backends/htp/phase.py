@@ -94,12 +94,14 @@ def estimate_speed(inputs: PhaseInputs, program: DeployedProgram, result: PhaseR
                     "what the speed estimate counts", ", ".join(spilling), "s" if len(spilling) == 1 else "",
                     "; ".join(f"{g}: spill {d['spill_bytes']:,} / fill {d['fill_bytes']:,} bytes"
                               for g, d in spilling.items()))
-    soc = program.meta["soc"]
+    soc = program.meta.get("soc", "?")
     try:
         estimate, bytes_source, counts = estimate_program(Shapes.of(inputs.model.params), inputs.cfg.quant,
                                                           program.meta, int(inputs.cfg.backend.bench.prompt_len))
-    except ConfigError as exc:  # a SoC without published figures: the run goes on without an estimate
-        log.warning("no speed estimate: %s", exc)
+    except (ConfigError, KeyError, ValueError) as exc:  # a SoC without figures, a user's .pte whose meta.json says
+        # too little: the run's perplexities still stand; it says in one line why it has no speed estimate
+        log.warning("no speed estimate: %s", exc if isinstance(exc, ConfigError) else
+                    f"{type(exc).__name__}: {exc} (the program's meta.json lacks what the estimate reads)")
         result.tags["speed_source"] = "none"
         return
     result.metrics.update(estimate.metrics())
