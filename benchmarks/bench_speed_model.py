@@ -50,7 +50,7 @@ def main() -> None:
             widths = [max(len(r[i]) for r in [header] + table) for i in range(len(header))]
             for r in [header] + table:
                 print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    print(f"\nsources: " + "; ".join(f"{k}: {v}" for k, v in fit.data.sources.items()))
+    print("\nsources: " + "; ".join(f"{k}: {v}" for k, v in fit.data.sources.items()))
 
 
 if __name__ == "__main__":

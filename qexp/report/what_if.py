@@ -9,7 +9,6 @@ say how many."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Optional
 
 import pandas as pd
@@ -34,8 +33,7 @@ def _what_if(cfg, soc: str) -> Optional[dict]:
 
     from qexp.backends.htp.config import HtpConfig
     from qexp.config import NO_QUANT, QDQ_ONLY_SCHEMES, ModelConfig, QuantConfig
-    from qexp.speed import estimate_config
-    from qexp.speed.__main__ import shapes_of
+    from qexp.speed import estimate_config, model_shapes
 
     quant = OmegaConf.merge(OmegaConf.structured(QuantConfig), cfg.quant)
     if quant.scheme == NO_QUANT or quant.scheme in QDQ_ONLY_SCHEMES:
@@ -47,7 +45,7 @@ def _what_if(cfg, soc: str) -> Optional[dict]:
     prefill_ar = None if mode == "kv" else int(backend.get("prefill_ar_len", defaults.prefill_ar_len))
     prompt = int(backend.get("bench", {}).get("prompt_len", defaults.bench.prompt_len))
     context = int(cfg.export.max_context_len)
-    estimate, _ = estimate_config(shapes_of(SimpleNamespace(model=model)), quant, soc, context, prefill_ar, prompt)
+    estimate, _ = estimate_config(model_shapes(model), quant, soc, context, prefill_ar, prompt)
     return {**{f"metrics.{k}": v for k, v in estimate.metrics().items()},
             "tags.speed_source": f"{WHAT_IF}:{estimate.source}", "tags.speed_soc": soc}
 

@@ -43,6 +43,19 @@ def _estimate(shapes: Shapes, decode: StreamBytes, prefill: Optional[StreamBytes
                          source=fit.source)
 
 
+def model_shapes(model_cfg) -> Shapes:
+    """A configured model's shapes from its metadata (no weight is loaded), or a ConfigError saying what to give."""
+    from qexp.errors import ConfigError
+    from qexp.models.shapes import _dims
+
+    dims = _dims(model_cfg)
+    needed = ("n_layers", "dim", "hidden_dim", "n_heads", "vocab_size")
+    if dims is None or any(not dims.get(k) for k in needed):
+        raise ConfigError(f"model={model_cfg.name}: its shapes cannot be read from its metadata",
+                          "give model.path (a folder with config.json, or a GGUF file)")
+    return Shapes.of(dims)
+
+
 def check_soc(soc_name: str) -> None:
     """A ConfigError naming the SoCs with figures, for one without (reads the data file only)."""
     from qexp.speed.data import check_soc as check
@@ -75,18 +88,15 @@ def estimate_program(shapes: Shapes, quant, meta: dict, prompt_len: int) -> Tupl
     and QNN byte counts of each graph for the run's metrics)."""
     context, graphs, kv_bits = int(meta["context"]), meta["graphs"], int(meta["kv_bits"])
     ddr = meta.get("ddr") or {}
-    counts, chosen = {}, {}
+    counts = {}
     for graph, ar_len in graphs.items():
         analytic = stream_bytes(shapes, quant, context, int(ar_len), kv_bits_override=kv_bits)
-        qnn = qnn_stream_bytes(analytic, ddr.get(graph))
-        chosen[graph] = qnn or analytic
-        counts[graph] = {"analytic": analytic, "qnn": qnn}
+        counts[graph] = {"analytic": analytic, "qnn": qnn_stream_bytes(analytic, ddr.get(graph))}
+    # QNN's counts for every graph, or none: one program's estimate never mixes the two
     source = "qnn_ddr_summary" if all(c["qnn"] is not None for c in counts.values()) else "shapes_and_scheme"
-    if source == "shapes_and_scheme":
-        chosen = {graph: c["analytic"] for graph, c in counts.items()}
+    chosen = {graph: c["qnn" if source == "qnn_ddr_summary" else "analytic"] for graph, c in counts.items()}
     prefill_ar = int(graphs[PREFILL_GRAPH]) if PREFILL_GRAPH in graphs else None
-    decode = chosen[DECODE_GRAPH]
-    if int(graphs[DECODE_GRAPH]) != 1:  # lookahead's decode graph: one call, counted as one token (a floor)
-        decode = counts[DECODE_GRAPH]["qnn"] or counts[DECODE_GRAPH]["analytic"]
-    estimate = _estimate(shapes, decode, chosen.get(PREFILL_GRAPH), meta["soc"], context, prefill_ar, prompt_len)
+    # lookahead's decode graph verifies several tokens per call: its call is counted as one token (a floor)
+    estimate = _estimate(shapes, chosen[DECODE_GRAPH], chosen.get(PREFILL_GRAPH), meta["soc"], context, prefill_ar,
+                         prompt_len)
     return estimate, source, counts

@@ -42,27 +42,15 @@ def check_deployable(cfg) -> None:
                           "use a 4-bit scheme, e.g. quant=16a4w")
 
 
-def shapes_of(cfg):
-    from qexp.models.shapes import _dims
-    from qexp.speed.bytes import Shapes
-
-    dims = _dims(cfg.model)
-    needed = ("n_layers", "dim", "hidden_dim", "n_heads", "vocab_size")
-    if dims is None or any(not dims.get(k) for k in needed):
-        raise ConfigError(f"model={cfg.model.name}: its shapes cannot be read from its metadata",
-                          "give model.path (a folder with config.json, or a GGUF file)")
-    return Shapes.of(dims)
-
-
 def describe(cfg, soc: str) -> str:
     from qexp.backends.htp.config import ModelMode
-    from qexp.speed import estimate_config
+    from qexp.speed import estimate_config, model_shapes
 
     backend = cfg.backend
     context = int(backend.max_seq_len)
     prefill_ar = None if backend.model_mode == ModelMode.kv else int(backend.prefill_ar_len)
     prompt = int(backend.bench.prompt_len)
-    shapes = shapes_of(cfg)
+    shapes = model_shapes(cfg.model)
     estimate, decode = estimate_config(shapes, cfg.quant, soc, context, prefill_ar, prompt)
     chunks = f"AR-{prefill_ar} chunks" if prefill_ar else "token by token (model_mode=kv)"
     return "\n".join([
