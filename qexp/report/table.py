@@ -119,13 +119,12 @@ def _speeds(runs: pd.DataFrame, num) -> None:
     kind = np.where(column(runs, "tags.speed_source").fillna("").astype(str).str.startswith("what-if"), "what-if ",
                     "estimate ")
     measured = num("metrics.decode_tok_s").notna() | num("metrics.ttft_ms").notna()
+    emulated = runs["target"].isin(EMULATED)
     for name in SPEEDS:
         runs[name] = num(f"metrics.{name}_est").where(estimated, num(f"metrics.{name}"))
-        emulated = runs["target"].isin(EMULATED)
         runs[f"{name}_emulator"] = num(f"metrics.{name}").where(emulated)
-    runs["speed_source"] = np.where(estimated, kind + soc,
-                                    np.where(measured, np.where(runs["target"].isin(EMULATED), "x86_emulator",
-                                                                "measured " + runs["target"].astype(str)), "-"))
+    runs["speed_source"] = np.where(estimated, kind + soc, np.where(
+        measured, np.where(emulated, "x86_emulator", "measured " + runs["target"].astype(str)), "-"))
 
 
 def _algorithms_from_params(runs: pd.DataFrame) -> pd.Series:

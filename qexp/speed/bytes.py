@@ -23,7 +23,6 @@ from qexp.transforms.grid import activation_bits, grid_for, layer_linears
 CHANNEL_SCALE_BYTES = 4
 BLOCK_SCALE_BYTES = 0.5
 LOGITS_BYTES = 2  # 16-bit logits (every shipped scheme with 16-bit activations; 8-bit ones are rarer and smaller)
-KV_8BIT_ANNOTATION = "annotate_kv_8bit"
 
 
 @dataclass(frozen=True)
@@ -92,6 +91,8 @@ def weight_bytes(out: int, cols: int, grid) -> float:
 
 def kv_bits(quant) -> int:
     """Bits of the KV caches: 8 with upstream's annotate_kv_8bit, else the scheme's activation bits."""
+    from qexp.backends.htp import KV_8BIT_ANNOTATION
+
     if KV_8BIT_ANNOTATION in list(quant.custom_annotations):
         return 8
     return activation_bits(quant.scheme)
