@@ -13,6 +13,11 @@ from qexp.config import ModelConfig, ModelSource
 Shapes = Dict[str, Tuple[int, int]]  # Meta-layout weight name -> (out, in)
 
 
+# architectures (HF model_type / GGUF general.architecture) that put an RMSNorm on each q and k head: one more
+# single-head op per q and per k head once attention is split per head (the HTP speed model counts them)
+QK_NORM_ARCHITECTURES = ("qwen3", "gemma3", "gemma3_text")
+
+
 def _dims(cfg: ModelConfig) -> Optional[dict]:
     try:
         return _read_dims(cfg)
@@ -34,7 +39,8 @@ def _read_dims(cfg: ModelConfig) -> Optional[dict]:
         return {"n_layers": c.get("num_hidden_layers"), "dim": c.get("hidden_size"),
                 "hidden_dim": c.get("intermediate_size"), "n_heads": c.get("num_attention_heads"),
                 "n_kv_heads": c.get("num_key_value_heads", c.get("num_attention_heads")),
-                "head_dim": c.get("head_dim"), "vocab_size": c.get("vocab_size")}
+                "head_dim": c.get("head_dim"), "vocab_size": c.get("vocab_size"),
+                "use_qk_norm": c.get("model_type") in QK_NORM_ARCHITECTURES}
     if cfg.source == ModelSource.gguf:
         from qexp.models.sources import SHIPPED_GGUF, shipped_gguf
 
@@ -59,7 +65,8 @@ def _read_dims(cfg: ModelConfig) -> Optional[dict]:
         return {"n_layers": value("block_count"), "dim": value("embedding_length"),
                 "hidden_dim": value("feed_forward_length"), "n_heads": value("attention.head_count"),
                 "n_kv_heads": value("attention.head_count_kv"), "head_dim": value("attention.key_length"),
-                "vocab_size": value("vocab_size") or (len(tokens.data) if tokens is not None else None)}
+                "vocab_size": value("vocab_size") or (len(tokens.data) if tokens is not None else None),
+                "use_qk_norm": arch in QK_NORM_ARCHITECTURES}
     if cfg.source == ModelSource.meta_checkpoint and cfg.params and os.path.isfile(os.path.expanduser(cfg.params)):
         p = json.loads(open(os.path.expanduser(cfg.params)).read())
         return {"n_layers": p.get("n_layers"), "dim": p.get("dim"), "hidden_dim": p.get("hidden_dim"),

@@ -36,12 +36,14 @@ class Shapes:
     n_kv_heads: int
     head_dim: int
     vocab_size: int
+    qk_norm: bool = False  # an RMSNorm on each q and k head (Qwen3, Gemma 3: ModelArgs' use_qk_norm)
 
     @classmethod
     def of(cls, dims: dict) -> "Shapes":
         head_dim = dims.get("head_dim") or dims["dim"] // dims["n_heads"]
         return cls(int(dims["n_layers"]), int(dims["dim"]), int(dims["hidden_dim"]), int(dims["n_heads"]),
-                   int(dims.get("n_kv_heads") or dims["n_heads"]), int(head_dim), int(dims["vocab_size"]))
+                   int(dims.get("n_kv_heads") or dims["n_heads"]), int(head_dim), int(dims["vocab_size"]),
+                   bool(dims.get("use_qk_norm", False)))
 
     def linears(self) -> dict:
         """Meta-layout weight name -> (out, in), the lm head included (qexp.models.shapes.linear_shapes' layout)."""

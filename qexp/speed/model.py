@@ -9,9 +9,10 @@ One call of a graph (decode: AR-1; prefill: one chunk of AR-N tokens) costs
               + kv_extra * kv_cache_bytes / peak_gbs
     compute = flops / (prefill_tops * relative_compute)
 
-- `head_ops` = layers x (heads + 2 x KV heads): upstream's lowering splits attention into single-head ops
-  (use_mha2sha), so a model with many heads pays a per-op cost that its bytes do not show (Qwen3-0.6B's 16 heads
-  of 128 against Qwen2.5-0.5B's 14 of 64: ~2x slower at similar bytes).
+- `head_ops` = layers x (heads + 2 x KV heads, + heads + KV heads with q/k norm): upstream's lowering splits
+  attention into single-head ops (use_mha2sha), so a model with many heads pays a per-op cost that its bytes do not
+  show (Qwen3-0.6B's 16 heads of 128 against Qwen2.5-0.5B's 14 of 64: ~2x slower at similar bytes); a model with
+  an RMSNorm on each q and k head (Qwen3, Gemma 3) runs one more single-head op per q and per k head.
 - the achieved bandwidth grows with the NPU generation, not only with DRAM's peak: SM8650 -> SM8750 gave
   1.21-1.45x on the same programs where peak bandwidth grew 1.10x.
 - reading the KV cache costs more per byte than reading weights (strided, per head).
@@ -29,11 +30,13 @@ import numpy as np
 
 from qexp.speed.bytes import Shapes, StreamBytes
 
-VERSION = "roofline-v1"
+VERSION = "roofline-v2"  # v2: the per-head q/k norms count as single-head ops
 
 
 def head_ops(shapes: Shapes) -> int:
-    return shapes.n_layers * (shapes.n_heads + 2 * shapes.n_kv_heads)
+    """Single-head ops of one call: q, k, v per head (use_mha2sha), and a q and a k norm per head with q/k norm."""
+    norms = shapes.n_heads + shapes.n_kv_heads if shapes.qk_norm else 0
+    return shapes.n_layers * (shapes.n_heads + 2 * shapes.n_kv_heads + norms)
 
 
 def flops(shapes: Shapes, ar_len: int, context: int) -> float:
