@@ -105,6 +105,23 @@ def test_ddr_summary_parsed_and_summed():
     assert total([]) is None
 
 
+def test_simulated_cycles_read_from_the_finalize_events():
+    from qexp.backends.htp.sim_cycles import estimates, total
+
+    events = [("QNN (finalize) time", 103230), ("Graph Optimizations", 50062), ("Performance Estimates", 0),
+              ("Simulated (Accelerator exec cycles)", 41445),
+              ("Simulated (Accelerator exec cycles (lower estimate))", 38976),
+              ("Simulated (Accelerator exec cycles (upper estimate))", 44211), ("Bandwidth Stats", 0),
+              ("Input Fill", 172032), ("Output Spill", 65536),
+              ("Missing Ops (Number of Ops with no Costs associated)", 0)]
+    one = estimates(events)
+    assert one == {"cycles": 41445, "cycles_lower": 38976, "cycles_upper": 44211, "input_fill_bytes": 172032,
+                   "output_spill_bytes": 65536, "missing_ops": 0}
+    assert estimates(events[:2]) is None  # a SoC QNN does not simulate: no performance estimates
+    assert total([one, one])["cycles"] == 2 * 41445  # a sharded graph's contexts run one after the other
+    assert total([one, None]) is None and total([]) is None
+
+
 # ---------------------------------------------------------------- real compiled tiny programs
 
 WIDE = ["model.tiny.dim=256", "model.tiny.hidden_dim=512", "model.tiny.vocab_size=2048"]  # weights dominate
@@ -169,6 +186,18 @@ def test_a_larger_prefill_graph_needs_fewer_chunks(compiled):
     assert (est_small.prefill_ar_len, est_large.prefill_ar_len) == (8, 16)
     assert est_large.ttft_ms < est_small.ttft_ms  # 2 calls of AR-16 against 4 of AR-8 for 32 prompt tokens
     assert "prefill_forward" in large[1].meta["ddr"] and large[1].meta["ddr"]["prefill_forward"]["read_total_bytes"]
+
+
+def test_sa8797_programs_carry_qnn_simulated_cycles(compiled):
+    """SA8797: HTP's prepare simulates each graph (read through the graphFinalize hook); no published figures, so
+    no time estimate, but the cycles and their bounds are in the program's meta.json."""
+    cfg, program, shapes = compiled(["quant=16a8w", "backend.model_mode=kv", "backend.soc=SA8797"])
+    sim = program.meta["sim"]["kv_forward"]
+    assert 0 < sim["cycles_lower"] <= sim["cycles"] <= sim["cycles_upper"], sim
+    assert sim["input_fill_bytes"] > 0 and sim["intermediate_spill_bytes"] == 0
+    assert program.meta["ddr"]["kv_forward"]["read_total_bytes"] > 0
+    with pytest.raises(ConfigError, match="SA8797"):
+        estimate_program(shapes, cfg.quant, program.meta, 32)
 
 
 def test_report_gives_qdq_only_runs_a_what_if_speed(compose, store_uri, tmp_path):

@@ -17,6 +17,7 @@ class Soc(enum.Enum):
     SM8650 = "SM8650"  # Snapdragon 8 Gen 3
     SM8750 = "SM8750"  # Snapdragon 8 Elite
     SM8850 = "SM8850"  # Snapdragon 8 Elite Gen 5
+    SA8797 = "SA8797"  # automotive, Hexagon v81: no phone figures, but QNN simulates its graphs' cycles at compile time
 
 
 class ModelMode(enum.Enum):
@@ -26,7 +27,8 @@ class ModelMode(enum.Enum):
 
 
 class Target(enum.Enum):
-    x86_emulator = "x86_emulator"  # HTP emulated on this host by the x86_64 QNN libraries: timings are NOT phone timings
+    # HTP emulated on this host by the x86_64 QNN libraries: timings are NOT phone timings
+    x86_emulator = "x86_emulator"
     android = "android"  # a phone over adb with a user-built qnn_llama_runner
 
 

@@ -26,6 +26,7 @@ from typing import Dict
 
 import torch
 
+from qexp.backends.htp import sim_cycles
 from qexp.backends.htp.config import Contexts, ModelMode, W4Lowering
 from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
 from qexp.cache import Cache, stable_hash
@@ -34,7 +35,6 @@ from qexp.models.loaded import LoadedModel
 from qexp.models.static_llama import StaticLlama, uses_masked_softmax
 from qexp.quant.calibrate import (
     EXPORT_STRICT,
-    OBSERVERS,
     QuantizedModel,
     load_observer_statistics,
     observer_statistics,
@@ -59,7 +59,8 @@ PREFILL_GRAPH = "prefill_forward"
 PTE_FILE = "model.pte"
 META_FILE = "meta.json"
 _LOWER_CACHE_VERSION = 2  # 2: I/O bit widths from the encodings
-GRAPH_INFO = ("meta", "encodings", "quantize_s", "ddr")  # what a built graph leaves once lowered (small, picklable)
+# what a built graph leaves once lowered (small, picklable)
+GRAPH_INFO = ("meta", "encodings", "quantize_s", "ddr", "sim")
 LAYER_PATTERN = r"^layers\.(\d+)"  # the static llama's decoder layers (module names), where shards are cut
 
 
@@ -243,6 +244,8 @@ def compile_pte(
     """The graphs the model mode needs, quantized with the calibration's encodings, lowered into one .pte (cached)."""
     sdk = ensure_qnn_sdk(cache)
     backend = cfg.backend
+    if backend.soc.value in sim_cycles.SOCS:  # before ExecuTorch creates its QNN backend (and before any fork)
+        sim_cycles.install(str(sdk.lib_dir / "libQnnHtp.so"))
     context = int(backend.max_seq_len)
     ar_lens = graph_ar_lens(backend)
     per_graph = backend.contexts == Contexts.per_graph and len(ar_lens) > 1
@@ -277,6 +280,8 @@ def compile_pte(
             "sliding_window": first["meta"].get("get_sliding_window"),
             # QNN's DDR bandwidth summary of one call of each graph (None: not told apart), for the speed estimate
             "ddr": {name: g.get("ddr") for name, g in graphs.items()},
+            # QNN's simulated cycles of one call of each graph (SoCs it simulates only: qexp/backends/htp/sim_cycles.py)
+            "sim": {name: g.get("sim") for name, g in graphs.items()},
             "lowering": {"workers": max(used, 1), "contexts": "per_graph" if per_graph else "shared",
                          "num_sharding": backend.num_sharding},
         }
@@ -323,6 +328,8 @@ def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, sta
                                                    use_multi_contexts=backend.num_sharding > 1),
         shared_buffer=False,  # the x86 emulator supports neither shared buffers nor weight sharing
         use_mha2sha=True,
+        # detailed profiling is what makes HTP's prepare simulate the graph (its emulator runs get slower)
+        profile_level=sim_cycles.PROFILE_LEVEL if backend.soc.value in sim_cycles.SOCS else 0,
     )
     return {"module": converted, "inputs": static.example_inputs(), "passes": passes, "deps": deps, "spec": spec,
             "meta": meta, "encodings": encodings, "quantize_s": time.perf_counter() - started}
@@ -368,18 +375,19 @@ def lower_graphs(graphs: dict, constant_methods=None, generate_etrecord: bool = 
 
 
 def lower_graphs_measured(graphs: dict, constant_methods=None):
-    """lower_graphs, keeping what QNN's preparation says each graph reads and writes per call (its DDR bandwidth
-    summary, qexp/speed/ddr.py) in the graph's dict as `ddr` (None where the summaries cannot be told apart)."""
+    """lower_graphs, keeping what QNN's preparation says of each graph's call in the graph's dict: `ddr`, the bytes
+    it reads and writes (its DDR bandwidth summary, qexp/speed/ddr.py), and `sim`, its simulated cycles where the SoC
+    has them (sim_cycles.py); None where the graphs' reports cannot be told apart."""
     from qexp.speed import ddr
 
-    with ddr.captured() as text:
+    with ddr.captured() as text, sim_cycles.collected() as simulated:
         edge = lower_graphs(graphs, constant_methods)
-    summaries = ddr.parse(text[0])
-    if len(graphs) == 1:
-        next(iter(graphs.values()))["ddr"] = ddr.total(summaries)
-    else:  # one shared context: a summary per graph, in order, when there is exactly one each
-        for graph, summary in zip(graphs.values(), summaries if len(summaries) == len(graphs) else []):
-            graph["ddr"] = summary
+    for key, reports, total in (("ddr", ddr.parse(text[0]), ddr.total), ("sim", simulated, sim_cycles.total)):
+        if len(graphs) == 1:
+            next(iter(graphs.values()))[key] = total(reports)
+        else:  # one shared context: a report per graph, in order, when there is exactly one each
+            for graph, report in zip(graphs.values(), reports if len(reports) == len(graphs) else []):
+                graph[key] = report
     return edge
 
 

@@ -94,6 +94,16 @@ def estimate_speed(inputs: PhaseInputs, program: DeployedProgram, result: PhaseR
                     "what the speed estimate counts", ", ".join(spilling), "s" if len(spilling) == 1 else "",
                     "; ".join(f"{g}: spill {d['spill_bytes']:,} / fill {d['fill_bytes']:,} bytes"
                               for g, d in spilling.items()))
+    simulated = {g: s for g, s in (program.meta.get("sim") or {}).items() if s}
+    for graph, sim in simulated.items():
+        for key, value in sim.items():
+            result.metrics[f"htp_sim_{key}_{graph}"] = value
+    if simulated:
+        log.info("QNN's simulated cycles of one call (%s, a relative cost, not a phone's time): %s",
+                 program.meta["soc"],
+                 "; ".join(f"{g} {s['cycles']:,} ({s['cycles_lower']:,}..{s['cycles_upper']:,})"
+                           + (f", {s['missing_ops']} ops without a cost" if s.get("missing_ops") else "")
+                           for g, s in simulated.items()))
     soc = program.meta.get("soc", "?")
     try:
         estimate, bytes_source, counts = estimate_program(Shapes.of(inputs.model.params), inputs.cfg.quant,
