@@ -56,7 +56,8 @@ def main() -> None:
             assert not any(context.cache_hits.values()), "a throwaway cache cannot hit"
             figures[f"{name}_s"] = seconds
             figures[f"{name}_vs_target"] = seconds / TARGET_S[name] if name in TARGET_S else float("nan")
-            target = f" (target {TARGET_S[name]:.0f} s: {seconds / TARGET_S[name]:.2f} of it)" if name in TARGET_S else ""
+            target = (f" (target {TARGET_S[name]:.0f} s: {seconds / TARGET_S[name]:.2f} of it)"
+                      if name in TARGET_S else "")
             print(f"[bench] {name}: {seconds:.1f} s{target}", flush=True)
     with benchmark_run(args.store, "algorithms", "algorithms", {"overrides": " ".join(overrides),
                                                                 "model": state.cfg.model.name,

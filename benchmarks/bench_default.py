@@ -171,8 +171,8 @@ def main() -> None:
             "lower_vs_baseline": this_cold.get("time_lower_s", float("nan")) /
                                  base_cold.get("time_lower_s", float("nan")),
         })
-    print(f"\nratios (< 1.0: faster / smaller; targets: cold {TARGETS['cold_s']:.0f} s, warm {TARGETS['warm_s']:.0f} s, "
-          f"{TARGETS['peak_mem_mb']:.0f} MiB):")
+    print(f"\nratios (< 1.0: faster / smaller; targets: cold {TARGETS['cold_s']:.0f} s, "
+          f"warm {TARGETS['warm_s']:.0f} s, {TARGETS['peak_mem_mb']:.0f} MiB):")
     for key, value in summary.items():
         print(f"  {key:24s} {value:.3f}")
 

@@ -12,6 +12,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: torch and qexp are imported where used (lazily)
+    import torch
+
+    from qexp.transforms.grid import WeightGrid
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -196,7 +196,8 @@ def main() -> None:
         for name, build in builders.items():
             graph = step(f"build {name}", build)
             step(f"lower {name} alone (+ to_executorch)",
-                 lambda: _lower({name: lambda: graph}, state.timer, lpbq, workers=1))
+                 # F821 false positive: the lambda runs (inside step) before `del graph` below
+                 lambda: _lower({name: lambda: graph}, state.timer, lpbq, workers=1))  # noqa: F821
             del graph
             step(f"free {name} (gc)", gc.collect)
             step("  + malloc_trim (release_memory)", release_memory)

@@ -140,7 +140,8 @@ def attribute_perplexity(cfg) -> tuple[dict, dict]:
     for label, models in arithmetics().items():
         program = with_weights_dequantized(state.qdq.program.module, None if models is None else lowering,
                                            htp_exact_models=models)
-        qdq = evaluate(lambda ids: window_logits(program, state.static, ids), state.windows, label)
+        # F821 false positive: ruff sees the `del program` below; evaluate() calls the lambda before it
+        qdq = evaluate(lambda ids: window_logits(program, state.static, ids), state.windows, label)  # noqa: F821
         fake = qdq if models is None else fake  # arithmetics() lists the fake-quant program first
         delta = compare(htp, qdq.head(subset), "deployed", "qdq")
         shift = compare(qdq, fake, "qdq", "fake_quant")  # how far this arithmetic moves the QDQ phase, all windows

@@ -43,8 +43,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # annotations only: pandas is imported where used (lazily)
+    import pandas as pd
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -224,9 +228,10 @@ def local_departures(module: torch.fx.GraphModule, outputs: dict, requantized: d
     `module` is the reference graph (activations requantized) as a module (ExportedProgram.module()); it runs in an
     FX interpreter in which every tensor HTP dumped replaces the CPU's value for the ops that read it; an op HTP
     fused away is recomputed from its fused group's dumped inputs, so its departure is counted at the group's output,
-    and the per-head attention ops (split per head, not compared) at the attention output's. Per op, in units of its output encoding's step (LSB): the share of values that differ,
-    the rms and mean difference (HTP minus CPU: a kernel that rounds differently shows as rms, one that is biased as a
-    mean) and the largest; and the local per-position SQNR (dB)."""
+    and the per-head attention ops (split per head, not compared) at the attention output's. Per op, in units of its
+    output encoding's step (LSB): the share of values that differ, the rms and mean difference (HTP minus CPU: a
+    kernel that rounds differently shows as rms, one that is biased as a mean) and the largest; and the local
+    per-position SQNR (dB)."""
     import pandas as pd
 
     at = {}  # the node whose value HTP's replaces -> (the op, its output step or None)

@@ -13,7 +13,8 @@ qexp/quant/htp_arithmetic.py): "HTP vs htp_exact" and the share of bit-exact out
 the emulator.
 
     .venv/bin/python benchmarks/diag_htp_weight_bits.py [--weight layers.0.feed_forward.w1.weight] [overrides ...]
-    .venv/bin/python benchmarks/diag_htp_weight_bits.py --inputs real model=gemma3_270m --weight layers.0.feed_forward.w2.weight
+    .venv/bin/python benchmarks/diag_htp_weight_bits.py --inputs real model=gemma3_270m \
+        --weight layers.0.feed_forward.w2.weight
 
 --inputs real feeds the layer what it sees in the model instead of Gaussian rows: its inputs in the float model
 (the run's static llama, a forward hook) on the run's calibration samples, the first ones to calibrate the
@@ -149,7 +150,8 @@ def main() -> None:
     soc = getattr(QcomChipset, cfg.backend.soc.value)
     results = {}
     print(f"{cfg.model.name} {args.weight} {tuple(weight.shape)}, {args.inputs} inputs "
-          f"({len(calibration)} calibration batches, {sum(len(b) for b in batches)} compared rows), target=x86_emulator")
+          f"({len(calibration)} calibration batches, {sum(len(b) for b in batches)} compared rows), "
+          "target=x86_emulator")
     with tempfile.TemporaryDirectory() as tmp:
         for source, w in weights.items():
             # 16a4w_lpbq: the same 16a4w QDQ program, its per-channel 4-bit weights lowered as LPBQ with one block
@@ -188,7 +190,8 @@ def main() -> None:
                        "htp_exact_bit_exact_share": (torch.round((htp - modelled) / _output_scale(qdq)) == 0)
                        .double().mean().item(),
                        "htp_exact_layers": exact.htp_counts.modelled,
-                       # a systematic error (mean far from 0 relative to its spread) compounds over layers; noise does not
+                       # a systematic error (mean far from 0 relative to its spread) compounds over layers;
+                       # noise does not
                        "htp_error_mean_over_rms": (error.mean() / error.pow(2).mean().sqrt().clamp_min(1e-30)).item(),
                        "htp_error_channel_offset_share": _channel_bias(error)}
                 results.update({f"{args.inputs}_inputs_{source}_{scheme}_{k}": v for k, v in row.items()})

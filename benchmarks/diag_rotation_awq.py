@@ -41,8 +41,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -134,8 +132,9 @@ def first_token(cfg, state, kind: str) -> None:
                    for k in keys}
         results[name, "float"] = weight_only_evaluation(cfg, model, state.windows, {}, f"{name}: float")
         for variant, positions in variants.items():
-            hook = (lambda static, model=model, positions=positions, e=errors[name] if positions is None else None:
-                    float_positions(static, model, (kind,), positions, e))
+            def hook(static, model=model, positions=positions, e=errors[name] if positions is None else None):
+                return float_positions(static, model, (kind,), positions, e)
+
             results[name, variant] = weight_only_evaluation(cfg, model, state.windows, weights,
                                                             f"{name}: {variant}", hook)
 

@@ -7,7 +7,8 @@
      width of the baseline's own 95% interval of the same Δ (a smaller move is not distinguishable from noise; on
      the same host and config they are bit-identical).
 
-    .venv/bin/python benchmarks/gates.py                 # runs +experiment=16a8w_wikitext backend=htp, HTP on all windows (~10 min cold)
+    .venv/bin/python benchmarks/gates.py                 # runs +experiment=16a8w_wikitext backend=htp,
+                                                         # HTP on all windows (~10 min cold)
     .venv/bin/python benchmarks/gates.py --run-id ID     # gates an existing run of that config instead
     .venv/bin/python benchmarks/gates.py --write-baseline  # after a deliberate change: commit results/gates.json
 

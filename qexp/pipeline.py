@@ -274,4 +274,3 @@ def prepare(cfg: DictConfig, through: str = "qdq") -> RunState:
     for name in STAGES[: STAGES.index(through) + 1]:
         STAGE_FUNCTIONS[name](state)
     return state
-

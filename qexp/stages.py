@@ -214,14 +214,16 @@ def qdq(state) -> None:
             state.metrics["htp_exact_sigmoids"] = folded.htp_counts.sigmoids
             state.metrics["htp_exact_gelus"] = folded.htp_counts.gelus
             state.tags["htp_exact_model"] = MODELLED_OPS  # runs before norms were modelled have no such tag
-        result = evaluate(lambda ids: window_logits(folded, static, ids), state.windows, "QDQ",
+        # F821 false positive: ruff sees the `del folded` below; evaluate() calls the lambda before it
+        result = evaluate(lambda ids: window_logits(folded, static, ids), state.windows, "QDQ",  # noqa: F821
                           keep_logits=SQNR_WINDOWS)
         del folded
     state.qdq = QdqPhase(program, result, static, static.r3)
     metrics = state.metrics
     metrics.update({**phase_metrics(result, "qdq"), **compare(result, state.fp, "qdq", "fp")})
     log.info("QDQ: ppl %.3f (%+.2f%% vs FP, 95%% interval [%+.2f, %+.2f])  word_ppl %.3f  logits SQNR %.1f dB",
-             metrics["ppl_qdq"], 100 * metrics["ppl_qdq_vs_fp"], 100 * metrics.get("ppl_qdq_vs_fp_ci_low", float("nan")),
+             metrics["ppl_qdq"], 100 * metrics["ppl_qdq_vs_fp"],
+             100 * metrics.get("ppl_qdq_vs_fp_ci_low", float("nan")),
              100 * metrics.get("ppl_qdq_vs_fp_ci_high", float("nan")), metrics["word_ppl_qdq"],
              metrics["logits_sqnr_db_qdq_vs_fp"])
     state.per_window["ll_qdq"] = result.logprobs.sum(axis=1)

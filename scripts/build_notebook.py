@@ -86,7 +86,8 @@ def build() -> nbformat.NotebookNode:
 
 
 def execute(notebook: nbformat.NotebookNode, timeout: int = 600) -> nbformat.NotebookNode:
-    NotebookClient(notebook, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    NotebookClient(notebook, timeout=timeout, kernel_name="python3",
+                   resources={"metadata": {"path": str(REPO)}}).execute()
     return notebook
 
 

@@ -50,7 +50,8 @@ def test_grid_is_qnnquantizers_grid(compose):
         model, static = state.model, state.static
         checked = 0
         for key in layer_linears(0) + ["output.weight"]:
-            name, expected_rows = static.static_layout(key, grid_for(state.cfg.quant, key).quantize(model.state_dict[key]))
+            name, expected_rows = static.static_layout(key,
+                                                       grid_for(state.cfg.quant, key).quantize(model.state_dict[key]))
             ints, scale = weights[name]
             scale = scale.reshape(ints.shape[0], -1)
             got = (ints.reshape(ints.shape[0], -1).float()
@@ -296,14 +297,14 @@ def test_rotation_keeps_the_float_function(compose):
     ref, got = float_logits(state.model, state.windows), float_logits(model, state.windows)
     assert sqnr_db(ref, got) > 80
     # R1 reached the embedding and the (now untied) lm head; the norms were folded into the linears
-    assert not torch.allclose(model.state_dict["tok_embeddings.weight"], state.model.state_dict["tok_embeddings.weight"])
+    assert not torch.allclose(model.state_dict["tok_embeddings.weight"],
+                              state.model.state_dict["tok_embeddings.weight"])
     assert torch.equal(model.state_dict["norm.weight"], torch.ones_like(model.state_dict["norm.weight"]))
 
 
 # ------------------------------------------------------------------ SeqMSE (ExecuTorch's pass)
 def test_seq_mse_scales_reach_the_program_and_the_deploy_graphs(compose):
     from qexp.backends.htp.lower import quantized_graph
-    from qexp.quant.calibrate import OBSERVERS
 
     plain = prepare(compose(TINY + ["quant=16a4w"]), through="qdq")
     searched = prepare(compose(TINY + ["quant=16a4w", "+algorithm.seq_mse={candidates: 20}"]), through="qdq")
@@ -405,4 +406,3 @@ def test_bad_block_size_and_empty_calibration_fail_the_run_before_work(compose, 
         run_experiment(compose(TINY + ["quant=16a4w", "algorithm=[gptq]", "calibration.limit=0"]))
     after = set((cache_dir / "transform").glob("*")) if (cache_dir / "transform").exists() else set()
     assert after == before  # no cache entry for a failed transform
-

@@ -47,8 +47,8 @@ def test_tiny_experiment_runs(cache_dir, store_uri):
     assert "ppl_fp=" in out.stdout and "ppl_qdq=" in out.stdout
 
 
-HTP_SMALL = ["backend=htp", "backend.bench.emulator=true", "backend.prefill_ar_len=16", "backend.eval_tokens=64", "backend.bench.prompt_len=8",
-             "backend.bench.repeats=1", "backend.bench.warmup=0"]
+HTP_SMALL = ["backend=htp", "backend.bench.emulator=true", "backend.prefill_ar_len=16", "backend.eval_tokens=64",
+             "backend.bench.prompt_len=8", "backend.bench.repeats=1", "backend.bench.warmup=0"]
 
 
 def test_native_output_goes_to_the_run_not_the_terminal(cache_dir, store_uri, tmp_path):

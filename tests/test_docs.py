@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -88,12 +87,39 @@ def test_every_module_is_listed_in_the_architecture():
     assert not listed - modules, f"docs/architecture.md lists modules that do not exist: {sorted(listed - modules)}"
 
 
+def test_every_registered_backend_algorithm_and_family_is_documented():
+    """What the registries hold (a new @register_* without docs fails here): each backend, algorithm (transforms and
+    calibration algorithms) and model family by name in code in docs/, each family also by its HF architecture."""
+    import qexp.backends  # noqa: F401 - registers the backends
+    import qexp.models  # noqa: F401 - registers the families
+    import qexp.transforms  # noqa: F401 - registers the algorithms
+    from qexp.backends.registry import BACKENDS
+    from qexp.models.families import FAMILIES
+    from qexp.transforms.base import TRANSFORMS
+
+    code = _code_text(_docs_text())
+    names = [f"backend {n}" for n in BACKENDS] + [f"algorithm {n}" for n in TRANSFORMS]
+    names += [f"family {n}" for n in FAMILIES]
+    names += [f"architecture {a}" for family in FAMILIES.values() for a in family.hf_architectures]
+    undocumented = [n for n in names if not _named(n.split(" ", 1)[1], code)]
+    assert not undocumented, f"registered but not named in code in docs/: {undocumented}"
+
+
+def test_contributing_names_paths_that_exist():
+    """CONTRIBUTING.md's checklists point at files and folders that exist (placeholders like <name> aside)."""
+    text = (REPO / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    paths = {m for m in re.findall(r"`([\w./-]+/[\w./-]*)`", text) if "<" not in m and not m.startswith(".venv")}
+    assert paths, "no paths found in CONTRIBUTING.md"
+    missing = sorted(p for p in paths if not (REPO / p.split("#")[0]).exists())
+    assert not missing, f"CONTRIBUTING.md names paths that do not exist: {missing}"
+
+
 ISSUE_REFERENCE = re.compile(r"#1[0-9]\b|\bissues? #\d+", re.I)
 
 
 def test_no_issue_numbers_or_outside_paths():
     """What users read names no qexp issue number and no path outside the repository."""
-    files = [REPO / "README.md", REPO / "results" / "README.md", REPO / "CHANGELOG.md"]
+    files = [REPO / "README.md", REPO / "results" / "README.md", REPO / "CHANGELOG.md", REPO / "CONTRIBUTING.md"]
     files += sorted(DOCS.rglob("*.md"))
     files += sorted(p for folder in (CONF, REPO / "sweeps") for p in folder.rglob("*") if p.is_file())  # conf/sweep
     # is a link to sweeps/, which rglob does not follow

@@ -39,7 +39,8 @@ def test_tiny_models_have_their_family_features(family_model):
     if family == "gemma3":
         # tied in the checkpoint; the input table carries sqrt(dim), the output does not
         emb, out = model.state_dict["tok_embeddings.weight"], model.state_dict["output.weight"]
-        assert torch.equal(emb, out * model.params["embedding_scale_factor"]) and model.params["embedding_scale_factor"] == 8
+        assert (torch.equal(emb, out * model.params["embedding_scale_factor"])
+                and model.params["embedding_scale_factor"] == 8)
         assert model.params["layer_types"] == ["sliding_attention", "full_attention"]
         assert model.params["sliding_window"] == 32 and model.params["local_rope_theta"] == 1e4
         assert {"layers.0.post_attention_norm.weight", "layers.0.post_ffn_norm.weight"} <= set(model.state_dict)
@@ -222,11 +223,13 @@ def test_gemma3_270m_matches_transformers(compose, cache_dir, corpus):
     assert model.add_bos and model.params["n_layers"] == 18 and model.params["vocab_size"] == 262144
     windows = make_windows(corpus.joined("test"), model.tokenizer, 256, 2, model.add_bos)
     static = StaticLlama(model, 256)
-    ours = evaluate(lambda ids: window_logits(static.module, static, ids), windows, "static").metrics()
+    # F821 false positive: ruff sees the `del static` below; evaluate() calls the lambda before it
+    ours = evaluate(lambda ids: window_logits(static.module, static, ids), windows, "static").metrics()  # noqa: F821
     del static
     hf = AutoModelForCausalLM.from_pretrained(model.hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        theirs = evaluate(lambda ids: hf(torch.as_tensor(ids, dtype=torch.long)[None]).logits[0], windows, "hf").metrics()
+        theirs = evaluate(lambda ids: hf(torch.as_tensor(ids, dtype=torch.long)[None]).logits[0], windows,
+                          "hf").metrics()
     print(f"gemma3_270m: ppl static {ours['ppl']:.6f} transformers {theirs['ppl']:.6f}")
     assert ours["ppl"] == pytest.approx(theirs["ppl"], rel=1e-3), (ours["ppl"], theirs["ppl"])
     assert 10 < ours["ppl"] < 100  # a sane base model on Wikipedia text (~23 on 512-token windows)

@@ -57,7 +57,8 @@ class FloatStaticDecoder:
         n_layers, index = len(self.k), torch.as_tensor(rows)
         for layer in range(n_layers):
             self.k[layer][..., self.n_past : self.n_past + len(rows)] = self.out[1 + layer].index_select(-1, index)
-            self.v[layer][:, :, self.n_past : self.n_past + len(rows)] = self.out[1 + n_layers + layer].index_select(2, index)
+            self.v[layer][:, :, self.n_past : self.n_past + len(rows)] = (
+                self.out[1 + n_layers + layer].index_select(2, index))
         self.n_past += len(rows)
 
     def step(self, token):

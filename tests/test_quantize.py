@@ -111,7 +111,8 @@ def test_override_by_layer_pattern(setup, compose, tmp_path):
 def test_block_size_is_configurable(setup, compose, tmp_path):
     counts = {}
     for block in (16, 32):
-        _, _, table = _quantize(setup, compose, tmp_path / str(block), ["quant=16a4w_block", f"quant.block_size={block}"])
+        _, _, table = _quantize(setup, compose, tmp_path / str(block),
+                                ["quant=16a4w_block", f"quant.block_size={block}"])
         blocked = table[table["granularity"] == "per_block"]
         counts[block] = blocked["n_scales"].sum()
     assert counts[16] == 2 * counts[32]

@@ -57,7 +57,8 @@ def test_default_experiment_end_to_end(compose, store_uri):
     assert run.data.tags["target"] == "x86_emulator" and run.data.tags["deployed_eval_path"] == "prefill"
     # 16a4w with the default LPBQ lowering of its 4-bit weights: -1.1% vs QDQ on 255 tokens at 256 context (QNN's
     # per-channel 4-bit kernels: +10.9% at 64-token context, +12% at 256). Short windows of SmolLM2 move by a few
-    # percent under any change of summation order (docs/research/), so the bound leaves room for that, not for the old gap.
+    # percent under any change of summation order (docs/research/), so the bound leaves room for that, not for the
+    # old gap.
     assert abs(m["ppl_deployed_vs_qdq"]) < 0.08 and m["top1_agreement_deployed_vs_qdq"] > 0.6
     assert m["pte_bytes"] > 50e6
     # speed: the phone estimate from the compiled program (QNN's DDR summary), no emulator bench unless asked for

@@ -44,7 +44,8 @@ def _browser(url: str, *args: str, budget: int = 25_000) -> str:
     A fresh profile each time: the UI keeps state in the browser (the GenAI/Model training switch, table state)."""
     with tempfile.TemporaryDirectory() as profile:
         command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                   f"--user-data-dir={profile}", "--window-size=1920,1000", f"--virtual-time-budget={budget}", *args, url]
+                   f"--user-data-dir={profile}", "--window-size=1920,1000", f"--virtual-time-budget={budget}",
+                   *args, url]
         return subprocess.run(command, capture_output=True, text=True, timeout=300).stdout
 
 

@@ -116,4 +116,5 @@ def test_roofline_bytes_per_token():
     table = 1000 * 64 * 4
     assert decode_bytes_per_token(10 * table, params, None, 0) == pytest.approx(9 * table + 64 * 4)
     # 8-bit embedding: a quarter of the table in the program; KV: 2 (k, v) x 2 layers x 2 heads x 16 dims x pos x 4 B
-    assert decode_bytes_per_token(table, params, "8,0", 10) == pytest.approx(table - table / 4 + 64 + 2 * 2 * 2 * 16 * 10 * 4)
+    assert decode_bytes_per_token(table, params, "8,0", 10) == pytest.approx(
+        table - table / 4 + 64 + 2 * 2 * 2 * 16 * 10 * 4)

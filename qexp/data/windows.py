@@ -74,11 +74,13 @@ def make_windows(text: str, tokenizer: Tokenizer, seq_len: int, limit: int | str
     from lm_eval.api.task import PerplexityTask
 
     if (limit != "all" and limit < 1) or seq_len < 2:
-        raise InputError(f"eval.limit={limit} and eval.seq_len={seq_len} leave nothing to score", "use limit>=1, seq_len>=2")
+        raise InputError(f"eval.limit={limit} and eval.seq_len={seq_len} leave nothing to score",
+                         "use limit>=1, seq_len>=2")
     body = seq_len - 1 if add_bos else seq_len
     bos = tokenizer.bos_id
     if add_bos and bos is None:
-        raise InputError(f"model.add_bos=true but tokenizer {tokenizer.path} has no BOS token", "set model.add_bos=false")
+        raise InputError(f"model.add_bos=true but tokenizer {tokenizer.path} has no BOS token",
+                         "set model.add_bos=false")
     if limit == "all":  # every whole window of the text
         ids = encode_prefix(text, tokenizer, len(text) + 1)
         limit = len(ids) // body

@@ -1,1 +1,2 @@
-"""Evaluation: log-likelihoods and perplexity metrics of one phase (perplexity.py), comparisons between phases (compare.py)."""
+"""Evaluation: log-likelihoods and perplexity metrics of one phase (perplexity.py), comparisons between phases
+(compare.py)."""

@@ -1,6 +1,6 @@
-"""The tiny random test model: a seeded HF causal LM (Llama, or Qwen2 / Qwen3 / Gemma3 with `family`) and a small BPE tokenizer
-trained on shipped news text, materialised as an HF folder in the cache, so it loads through the same path as a
-user's HF folder (and its family's converter)."""
+"""The tiny random test model: a seeded HF causal LM (Llama, or Qwen2 / Qwen3 / Gemma3 with `family`) and a small
+BPE tokenizer trained on shipped news text, materialised as an HF folder in the cache, so it loads through the same
+path as a user's HF folder (and its family's converter)."""
 
 from __future__ import annotations
 

@@ -1,1 +1,2 @@
-"""Quantization: config -> QnnQuantizer recipe (recipe.py), calibrate + convert (calibrate.py), what got quantized (encodings.py)."""
+"""Quantization: config -> QnnQuantizer recipe (recipe.py), calibrate + convert (calibrate.py), what got quantized
+(encodings.py)."""

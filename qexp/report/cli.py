@@ -162,4 +162,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("left out (never finished): " + ", ".join(f"{n} {status}" for status, n in sorted(left_out.items())))
     print("wrote " + ", ".join(str(p) for p in paths) + (f"; attached to parent run {parent}" if parent else ""))
     return 0
-

@@ -297,7 +297,8 @@ def no_speed_plot_note(data: pd.DataFrame) -> Optional[str]:
     """Why there is no perplexity-vs-speed plot, if there is none: the table's columns leave decode speed out (the
     runs may have measured it), or no run in it measured decode speed."""
     if "decode_tok_s" not in data:
-        return "No perplexity-vs-speed plot: the table's columns leave decode speed out (add decode_tok_s to --columns)."
+        return ("No perplexity-vs-speed plot: the table's columns leave decode speed out "
+                "(add decode_tok_s to --columns).")
     if data["decode_tok_s"].isna().all():
         return "No perplexity-vs-speed plot: no run in the table measured decode speed."
     return None

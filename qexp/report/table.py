@@ -288,7 +288,8 @@ def build_report(runs: pd.DataFrame, columns: Optional[Sequence[str]] = None, al
     if mixed:
         notes.append(f"Mixed evaluation settings (--allow-mixed): {mixed}. Compare rows only within a group.")
     if arithmetics:
-        notes.append("QDQ arithmetic: `fake_quant` rows evaluate the QDQ program in float (PyTorch's fake quantization), "
+        notes.append("QDQ arithmetic: `fake_quant` rows evaluate the QDQ program in float "
+                     "(PyTorch's fake quantization), "
                      "`htp_exact` rows with HTP's arithmetic as qexp models it (eval.htp_exact: the 16-bit "
                      "convolutions' accumulator floor and rounded zero-point correction, 16-bit RMSNorm outputs "
                      "floored, softmax with a 15-bit exp and floored, sigmoid at 15 bits, GELU with HTP's phi); rows "

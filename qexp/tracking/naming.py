@@ -37,8 +37,8 @@ Metrics that matter:
 - `ttft_ms`, `prefill_tok_s`, `decode_tok_s`, `pte_bytes`, `peak_rss_mb`, `time_total_s`.
 
 Open with `make ui` (`python -m qexp.ui`): it prints the address of this table in qexp's view (columns and compare
-charts). Compare runs only on the same Dataset (text and windows): select runs and open the chart view, or from the shell
-`python -m qexp.report --compare RUN_A RUN_B`; tables and plots: `python -m qexp.report --experiment NAME`.
+charts). Compare runs only on the same Dataset (text and windows): select runs and open the chart view, or from the
+shell `python -m qexp.report --compare RUN_A RUN_B`; tables and plots: `python -m qexp.report --experiment NAME`.
 """
 
 

@@ -22,7 +22,13 @@ from omegaconf import DictConfig, OmegaConf
 from qexp.config import TrackingConfig
 from qexp.errors import TrackingError
 from qexp.provenance import REPO_ROOT
-from qexp.tracking.naming import EXPERIMENT_DESCRIPTION, EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, NOTE_TAG, failed_description
+from qexp.tracking.naming import (
+    EXPERIMENT_DESCRIPTION,
+    EXPERIMENT_KIND,
+    EXPERIMENT_KIND_TAG,
+    NOTE_TAG,
+    failed_description,
+)
 from qexp.tracking.redact import redact, redact_text
 from qexp.tracking.ui_view import VIEW_TAG, view_json
 
@@ -191,7 +197,8 @@ class Tracker:
 
         experiment_id = self.connect()
         self.run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags={**tags, **owner_tags()})
-        log.info("MLflow run %s in %s (experiment %s)", self.run.info.run_id, redact_text(self.uri), self.cfg.experiment)
+        log.info("MLflow run %s in %s (experiment %s)", self.run.info.run_id, redact_text(self.uri),
+                 self.cfg.experiment)
         return self.run.info.run_id
 
     def finish(self) -> None:

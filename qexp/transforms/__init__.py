@@ -20,5 +20,5 @@ from qexp.transforms import awq, gptq, rotation, smoothquant, weight_clip  # noq
 from qexp.quant import seq_mse  # noqa: E402,F401
 
 __all__ = ["TRANSFORMS", "CalibrationAlgorithm", "calibration_algorithms", "model_transforms",
-           "validate_transforms", "ModelTransform", "TransformConfig", "TransformContext", "apply_transforms",
-           "build_transforms", "register_transform"]
+           "validate_transforms", "ModelTransform", "TransformConfig", "TransformContext", "algorithm_label",
+           "apply_transforms", "build_transforms", "register_transform"]

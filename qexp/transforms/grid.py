@@ -3,8 +3,9 @@
 QnnQuantizer quantizes every linear (a 1x1 conv in the static llama) symmetrically: per output channel, or per block
 of `block_size` input channels (LPBQ), with ints in [-(2^(b-1) - 1), 2^(b-1) - 1] and scale = absmax / qmax
 (its PerChannel/PerBlockParamObserver; 4-bit is [-7, 7], not [-8, 7]). Per-block scales are then stored
-as HTP's LPBQ encoding does (4-bit multiples of a per-channel unit, qexp/quant/lpbq.py), and searched that way. Per-layer overrides (the 8-bit lm head of the
-shipped recipes) apply as in qexp/quant/recipe.py: the last matching override pattern wins, as in QnnQuantizer.
+as HTP's LPBQ encoding does (4-bit multiples of a per-channel unit, qexp/quant/lpbq.py), and searched that way.
+Per-layer overrides (the 8-bit lm head of the shipped recipes) apply as in qexp/quant/recipe.py: the last matching
+override pattern wins, as in QnnQuantizer.
 
 Also here: the names that tie the Meta-layout state dict (what transforms edit) to the static llama's modules (what
 QnnQuantizer annotates): `layers.3.attention.wq.weight` <-> `layers.3.attention.wq_conv`.

@@ -116,7 +116,8 @@ def _search_scales(w: torch.Tensor, grid: WeightGrid, n_grid: int, max_shrink: f
 @torch.no_grad()
 def mse_scales(w: torch.Tensor, grid: WeightGrid, n_grid: int = N_GRID, max_shrink: float = MAX_SHRINK,
                norm: float = NORM) -> torch.Tensor:
-    """Per (output channel, block) the candidate scale minimising sum |Q(w) - w|^norm over the block: [out, n_blocks]."""
+    """Per (output channel, block) the candidate scale minimising sum |Q(w) - w|^norm over the block:
+    [out, n_blocks]."""
     return _search_scales(w, grid, n_grid, max_shrink, lambda d: d.abs().pow(norm).sum(-1, keepdim=True))
 
 

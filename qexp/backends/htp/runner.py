@@ -96,7 +96,8 @@ class HtpRunner:
             keys = torch.cat([cache.slot_positions(), positions[0].long()])
             masks.append(sliding_window_attend(attend, keys, positions[0].long(), int(self.sliding_window)))
         values = [self.mask_values[graph], self.window_mask_values.get(graph)][: len(masks)]
-        masks = [torch.where(m, on, off).to(dt).reshape(1, 1, ar, self.context) for m, (on, off, dt) in zip(masks, values)]
+        masks = [torch.where(m, on, off).to(dt).reshape(1, 1, ar, self.context)
+                 for m, (on, off, dt) in zip(masks, values)]
         out = self.module.run_method(graph, (padded, *masks, positions, *cache.inputs()))
         scale, zero_point = self.meta["encodings"][graph]["logits"]
         logits = (out[0].to(torch.float32).reshape(ar, -1)[:n_valid] - zero_point) * scale

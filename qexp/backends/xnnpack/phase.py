@@ -43,8 +43,8 @@ def run_phase(inputs: PhaseInputs) -> PhaseResult:
         achieved = per_token * metrics["decode_tok_s"] / 1e9
         metrics.update({"decode_achieved_gbs": achieved, "decode_bw_efficiency": achieved / bandwidth})
     log.info("speed on cpu (%d threads): TTFT %.1f ms, prefill %.1f tok/s, decode %.1f tok/s; "
-             "decode reads %.1f MB/token = %.2f GB/s of %.2f GB/s measured (%.0f%%)", runner.threads, metrics["ttft_ms"],
-             metrics["prefill_tok_s"], metrics.get("decode_tok_s", float("nan")), per_token / 1e6,
+             "decode reads %.1f MB/token = %.2f GB/s of %.2f GB/s measured (%.0f%%)", runner.threads,
+             metrics["ttft_ms"], metrics["prefill_tok_s"], metrics.get("decode_tok_s", float("nan")), per_token / 1e6,
              metrics.get("decode_achieved_gbs", float("nan")), bandwidth,
              100 * metrics.get("decode_bw_efficiency", float("nan")))
     return result
