@@ -1,7 +1,8 @@
-"""What the benchmark scripts share: running `python -m qexp` as a subprocess, timed, against one MLflow store, and
-logging a benchmark's figures as one run of the MLflow experiment `benchmarks`; and, for the diagnostics
-(diag_gptq_heldout.py, diag_seq_mse.py, diag_rotation_awq.py), the quantized linears of a few decoder layers with
-their float inputs, and a model's perplexity with some weights swapped in (weight-only quantization)."""
+"""What the benchmark scripts (benchmarks/) and the research probes (diagnostics/) share: running `python -m qexp` as
+a subprocess, timed, against one MLflow store, and logging a script's figures as one run of the MLflow experiment
+`benchmarks`; and, for the diagnostics (diagnostics/diag_gptq_heldout.py, diag_seq_mse.py, diag_rotation_awq.py),
+the quantized linears of a few decoder layers with their float inputs, and a model's perplexity with some weights
+swapped in (weight-only quantization)."""
 
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ def weight_only_evaluation(cfg, model, windows, weights: dict, label: str, befor
 
 def emulator_config(overrides: list):
     """(cfg, QNN chipset) for the one-op emulator diagnostics: the default experiment's config with `overrides`, the
-    QNN SDK libraries in place (diag_htp_norm.py, diag_htp_pointwise.py)."""
+    QNN SDK libraries in place (diagnostics/diag_htp_norm.py, diag_htp_pointwise.py)."""
     from hydra import compose, initialize_config_dir
 
     import qexp.config  # noqa: F401

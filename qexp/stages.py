@@ -235,14 +235,9 @@ def qdq(state) -> None:
 
 def htp_exact_lowering(cfg):
     """None for the fake-quant QDQ phase; with eval.htp_exact, how HTP would get per-channel 4-bit weights."""
-    return htp_w4_lowering(cfg) if cfg.eval.get("htp_exact", False) else None
+    from qexp.quant.w4_lowering import w4_lowering_of
 
-
-def htp_w4_lowering(cfg) -> str:
-    """How HTP gets per-channel 4-bit weights: the run's HTP backend setting, else the HTP default."""
-    from qexp.backends.htp.config import HtpConfig
-
-    return str(getattr(cfg.backend, "w4_lowering", HtpConfig.w4_lowering.value)).split(".")[-1]
+    return w4_lowering_of(cfg) if cfg.eval.get("htp_exact", False) else None
 
 
 def deploy(state) -> None:
@@ -302,22 +297,9 @@ def _score_deployed(state, deployed) -> None:
              reference.upper(), metrics[f"ppl_{reference}_sub"], subset.n_predicted, 100 * metrics[delta],
              100 * metrics.get(f"{delta}_ci_low", float("nan")), 100 * metrics.get(f"{delta}_ci_high", float("nan")),
              metrics[f"top1_agreement_deployed_vs_{reference}"])
-    hint = htp_exact_hint(state.cfg.backend.name, state.tags.get("qdq_arithmetic"), metrics)
+    hint = state.backend.scoring_hint(state.tags.get("qdq_arithmetic"), metrics)
     if hint:
         log.info(hint)
-
-
-def htp_exact_hint(backend: str, qdq_arithmetic, metrics: dict):
-    """One line for a user whose HTP run departs from the fake-quant QDQ program by more than the interval allows:
-    the QDQ phase can compute what HTP computes instead (on Gemma-3-270M the fake-quant program was 7-15% optimistic
-    and eval.htp_exact within ~1% of HTP). None otherwise."""
-    low, high = metrics.get("ppl_deployed_vs_qdq_ci_low"), metrics.get("ppl_deployed_vs_qdq_ci_high")
-    if backend != "htp" or qdq_arithmetic != "fake_quant" or low is None or high is None or not (
-            np.isfinite(low) and np.isfinite(high)) or low <= 0 <= high:
-        return None
-    return (f"HTP departs from the fake-quant QDQ program by {100 * metrics['ppl_deployed_vs_qdq']:+.2f}%, beyond its "
-            f"interval: eval.htp_exact=true scores the QDQ phase with the arithmetic HTP runs (16-bit norms floored, "
-            f"the convolutions' accumulator; docs/htp-arithmetic.md)")
 
 
 def grid_tags(cfg) -> dict:

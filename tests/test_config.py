@@ -63,6 +63,28 @@ def test_every_group_value_composes(compose, group):
         assert cfg[group].name == option
 
 
+def test_q4_0_gap_variants_compose_beside_their_sweep(compose):
+    """sweeps/q4_0_gap.yaml sweeps the group sweep/q4_0_gap (sweeps/q4_0_gap/, `# @package _global_`): each variant
+    composes with the sweep and sets what its name says on top of 16a4w_block."""
+    from omegaconf import OmegaConf
+
+    grid = OmegaConf.load(CONF / "sweep" / "q4_0_gap.yaml").hydra.sweeper.params
+    expected = {  # block scale rounding, weight range, KV-cache annotation
+        "base": ("nearest", "narrow", ["annotate_kv_8bit"]),
+        "block_scales_float": ("float", "narrow", ["annotate_kv_8bit"]),
+        "full_range": ("nearest", "full", ["annotate_kv_8bit"]),
+        "kv16": ("nearest", "narrow", []),
+        "all": ("float", "full", []),
+    }
+    assert grid["+sweep/q4_0_gap"].split(",") == list(expected)
+    assert {p.stem for p in (CONF / "sweep" / "q4_0_gap").glob("*.yaml")} == set(expected)
+    for variant, settings in expected.items():
+        cfg = compose(["+sweep=q4_0_gap", f"+sweep/q4_0_gap={variant}"], tracked=False)
+        quant = cfg.quant
+        got = (quant.block_scale_rounding.name, quant.weight_range.name, list(quant.custom_annotations))
+        assert (quant.name, cfg.backend.name, got) == ("16a4w_block", "none", settings), variant
+
+
 def test_unknown_group_value_lists_options(compose):
     with pytest.raises(MissingConfigException) as err:
         compose(["quant=16a5w"])

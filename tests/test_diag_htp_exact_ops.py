@@ -1,4 +1,4 @@
-"""benchmarks/diag_htp_exact_ops.py: the agreement measures against their definitions, and the attribution on the
+"""diagnostics/diag_htp_exact_ops.py: the agreement measures against their definitions, and the attribution on the
 tiny model on the x86 HTP emulator (every arithmetic scored on the same HTP logits; a model of an op the program does
 not have scores as the fake-quant program, bit for bit)."""
 
@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO))
 
 
 def test_agreement_measures():
-    from benchmarks.diag_htp_exact_ops import agreement
+    from diagnostics.diag_htp_exact_ops import agreement
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(16, 50, generator=generator)
@@ -29,7 +29,7 @@ def test_agreement_measures():
 
 
 def test_attribution_on_the_tiny_model(compose):
-    from benchmarks.diag_htp_exact_ops import arithmetics, attribute
+    from diagnostics.diag_htp_exact_ops import arithmetics, attribute
 
     cfg = compose(TINY + ["quant=16a8w", "backend=htp", "backend.prefill_ar_len=16"])
     rows, facts = attribute(cfg, 2)
@@ -42,7 +42,7 @@ def test_attribution_on_the_tiny_model(compose):
 def test_perplexity_attribution_scores_what_a_run_reports(compose):
     """Each arithmetic's QDQ perplexity on the run's windows against HTP's scores of the first windows; the
     fake-quant row is the QDQ phase a run of the config reports, and with eval.htp_exact=true the htp_exact row is."""
-    from benchmarks.diag_htp_exact_ops import arithmetics, attribute_perplexity
+    from diagnostics.diag_htp_exact_ops import arithmetics, attribute_perplexity
 
     overrides = TINY + ["quant=16a8w", "backend=htp", "backend.prefill_ar_len=16", "backend.eval_tokens=128"]
     rows, facts = attribute_perplexity(compose(overrides))

@@ -1,4 +1,4 @@
-"""benchmarks/diag_htp_ops.py on the tiny model (x86 HTP emulator): the program it dumps computes what the deployed
+"""diagnostics/diag_htp_ops.py on the tiny model (x86 HTP emulator): the program it dumps computes what the deployed
 program computes (the same logits on the same tokens), and every decoder layer's ops are compared."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ sys.path.insert(0, str(REPO))
 
 
 def test_op_by_op_diagnosis_of_the_deployed_program(compose):
-    from benchmarks.diag_htp_ops import diagnose
+    from diagnostics.diag_htp_ops import diagnose
 
     cfg = compose(TINY + ["quant=16a4w", "backend=htp", "backend.prefill_ar_len=16"])
     result = diagnose(cfg)
@@ -70,7 +70,7 @@ def test_local_departure_is_the_ops_own_not_what_it_inherits():
     """A device whose first op departs by +1 step at one value and whose second op computes exactly from what the
     first gave it: the second op's cumulative error is the first's, its local departure nothing; the first's local
     departure is its own (one value in eight changed by one step, a +1/8 step bias)."""
-    from benchmarks.diag_htp_ops import local_departures
+    from diagnostics.diag_htp_ops import local_departures
 
     class TwoOps(torch.nn.Module):
         def forward(self, x):
@@ -97,7 +97,7 @@ def test_noise_yardstick_matches_its_definition():
     """Rounding noise of σ LSB: no change at σ 0; for wide noise the difference round(u + e) - round(u), u the
     fraction, has variance σ² + 1/6 (the uniform fraction's 1/12 plus Sheppard's 1/12 for the rounding); the share
     changed grows with σ."""
-    from benchmarks.diag_htp_ops import noise_lsb
+    from diagnostics.diag_htp_ops import noise_lsb
 
     assert noise_lsb(0.0) == (0.0, 0.0)
     for sigma in (1.0, 2.0):

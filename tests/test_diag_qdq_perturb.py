@@ -1,4 +1,4 @@
-"""benchmarks/diag_qdq_perturb.py: its perturbed quantization is the QDQ program's when it rounds to nearest, is
+"""diagnostics/diag_qdq_perturb.py: its perturbed quantization is the QDQ program's when it rounds to nearest, is
 seeded, leaves copies and inputs exact; on the tiny model the whole diagnosis runs (CPU); a deployed run is placed
 on the noise rows only when it is the same program on the same windows."""
 
@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO))
 
 
 def _quantize(x, rounding, sigma=0.0, seed=0):
-    from benchmarks.diag_qdq_perturb import Perturbation, _Active, perturbed_fake_quantize
+    from diagnostics.diag_qdq_perturb import Perturbation, _Active, perturbed_fake_quantize
 
     _Active.perturbation = Perturbation(rounding, sigma, seed)
     _Active.generator = torch.Generator().manual_seed(seed)
@@ -43,7 +43,7 @@ def test_perturbed_rounding_against_its_definition():
 
 
 def test_variants_parse_and_bad_ones_are_refused():
-    from benchmarks.diag_qdq_perturb import Perturbation, parse_variants
+    from diagnostics.diag_qdq_perturb import Perturbation, parse_variants
 
     variants = parse_variants("round, gauss:0.5,floor", seeds=2)
     assert [v.label for v in variants] == ["round", "gauss:0.5 seed 0", "gauss:0.5 seed 1", "floor"]
@@ -56,7 +56,7 @@ def test_variants_parse_and_bad_ones_are_refused():
 
 
 def test_perturbation_diagnosis_on_the_tiny_model(compose):
-    from benchmarks.diag_qdq_perturb import diagnose, parse_variants
+    from diagnostics.diag_qdq_perturb import diagnose, parse_variants
 
     cfg = compose(TINY + ["quant=16a4w", "backend=none", "eval.limit=4"])
     table = diagnose(cfg, parse_variants("round,gauss:1,floor", seeds=2)).set_index("variant")
@@ -86,7 +86,7 @@ def test_perturbation_diagnosis_on_the_tiny_model(compose):
 def test_noise_cost_interpolates_between_the_noise_levels():
     import pandas as pd
 
-    from benchmarks.diag_qdq_perturb import noise_cost_at
+    from diagnostics.diag_qdq_perturb import noise_cost_at
 
     table = pd.DataFrame({"rounding": ["round", "gauss", "gauss", "gauss", "floor"],
                           "sigma_lsb": [0, 0.5, 0.5, 1.0, 0], "top1": [1.0, 0.82, 0.78, 0.7, 0.3],
@@ -99,7 +99,7 @@ def test_noise_cost_interpolates_between_the_noise_levels():
 def test_deployed_run_must_be_the_same_model_scheme_windows_and_qdq_program(compose, store_uri):
     import mlflow
 
-    from benchmarks.diag_qdq_perturb import deployed_figures, fetch_run
+    from diagnostics.diag_qdq_perturb import deployed_figures, fetch_run
 
     mlflow.set_tracking_uri(store_uri)
     mlflow.set_experiment("tests")

@@ -1,7 +1,7 @@
 """The documentation: README.md is a short front door and docs/ is the manual. The manual builds as a site with no
 broken link or anchor (mkdocs --strict), and it names everything a user can select or run, so a new config file,
-config group, benchmark script or module without documentation fails here (the drift test). No qexp issue number and
-no path outside the repository in what users read."""
+config group, benchmark or diagnostic script or module without documentation fails here (the drift test). No qexp
+issue number and no path outside the repository in what users read."""
 
 from __future__ import annotations
 
@@ -58,25 +58,36 @@ def test_readme_is_a_front_door():
         assert command in text
 
 
+def _config_groups(folder):
+    """The config groups under folder, nested ones too (sweeps/q4_0_gap/ is the group sweep/q4_0_gap)."""
+    for group in sorted(p for p in folder.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        yield group
+        yield from _config_groups(group)
+
+
 def test_every_config_group_and_file_is_documented():
-    """Each conf/ group and each of its YAML files (e.g. quant/16a4w_block) is named in code in docs/."""
+    """Each conf/ group (nested ones too, e.g. sweep/q4_0_gap) and each of its YAML files (e.g. quant/16a4w_block) is
+    named in code in docs/."""
     code = _code_text(_docs_text())
     undocumented = []
-    for group in sorted(p for p in CONF.iterdir() if p.is_dir()):  # conf/sweep is a link to sweeps/
+    for group in _config_groups(CONF):  # conf/sweep is a link to sweeps/
+        name = group.relative_to(CONF).as_posix()
         if not _named(group.name, code):
-            undocumented.append(f"{group.name}/")
+            undocumented.append(f"{name}/")
         for yaml in sorted(group.glob("*.yaml")):
             if not _named(yaml.stem, code):
-                undocumented.append(f"{group.name}/{yaml.stem}")
+                undocumented.append(f"{name}/{yaml.stem}")
     assert not undocumented, f"config groups / files not named in docs/: {undocumented}"
 
 
 def test_every_benchmark_script_is_documented():
+    """Each script in benchmarks/ (timing and comparison) and diagnostics/ (research probes) is named in docs/."""
     text = _docs_text()
-    scripts = sorted(p.name for p in (REPO / "benchmarks").iterdir()
-                     if p.suffix in (".py", ".sh") and p.name != "__init__.py")
-    undocumented = [s for s in scripts if not _named(s, text)]
-    assert not undocumented, f"benchmark scripts not named in docs/: {undocumented}"
+    scripts = sorted(f"{folder}/{p.name}" for folder in ("benchmarks", "diagnostics")
+                     for p in (REPO / folder).iterdir() if p.suffix in (".py", ".sh") and p.name != "__init__.py")
+    assert any(s.startswith("diagnostics/") for s in scripts), "no diagnostics/ scripts found"
+    undocumented = [s for s in scripts if not _named(s.split("/", 1)[1], text)]
+    assert not undocumented, f"benchmark / diagnostic scripts not named in docs/: {undocumented}"
 
 
 def test_every_module_is_listed_in_the_architecture():

@@ -1,6 +1,6 @@
 """eval.htp_exact (qexp/quant/htp_arithmetic.py): HTP's integer arithmetic for 16-bit-activation layers, checked
 against an int64 reference of its definition, against the fake-quant program it replaces, and end to end.
-Whether it matches the HTP emulator is measured by benchmarks/diag_htp_weight_bits.py (slow, x86 HTP emulator)."""
+Whether it matches the HTP emulator is measured by diagnostics/diag_htp_weight_bits.py (slow, x86 HTP emulator)."""
 
 from __future__ import annotations
 
@@ -171,18 +171,19 @@ def test_new_settings_at_their_default_keep_earlier_hashes(compose):
 def test_hint_points_to_htp_exact_only_for_a_real_gap():
     """An HTP run beyond its interval from the fake-quant program gets one line naming eval.htp_exact; within the
     interval, already htp_exact, or another backend: nothing."""
-    from qexp.stages import htp_exact_hint
+    from qexp.backends.registry import get_backend
 
+    htp, xnnpack = get_backend("htp"), get_backend("xnnpack")
     gap = {"ppl_deployed_vs_qdq": 0.07, "ppl_deployed_vs_qdq_ci_low": 0.037, "ppl_deployed_vs_qdq_ci_high": 0.102}
-    assert "eval.htp_exact=true" in htp_exact_hint("htp", "fake_quant", gap) and "+7.00%" in htp_exact_hint(
-        "htp", "fake_quant", gap)
+    assert "eval.htp_exact=true" in htp.scoring_hint("fake_quant", gap) and "+7.00%" in htp.scoring_hint(
+        "fake_quant", gap)
     below = {"ppl_deployed_vs_qdq": -0.03, "ppl_deployed_vs_qdq_ci_low": -0.05, "ppl_deployed_vs_qdq_ci_high": -0.01}
-    assert htp_exact_hint("htp", "fake_quant", below) is not None
+    assert htp.scoring_hint("fake_quant", below) is not None
     noise = {**gap, "ppl_deployed_vs_qdq_ci_low": -0.003}
-    assert htp_exact_hint("htp", "fake_quant", noise) is None
-    assert htp_exact_hint("htp", "htp_exact", gap) is None and htp_exact_hint("xnnpack", "fake_quant", gap) is None
-    assert htp_exact_hint("htp", "fake_quant", {"ppl_deployed_vs_qdq": 0.07}) is None  # no interval: no claim
-    assert htp_exact_hint("htp", "fake_quant", {**gap, "ppl_deployed_vs_qdq_ci_low": float("nan")}) is None
+    assert htp.scoring_hint("fake_quant", noise) is None
+    assert htp.scoring_hint("htp_exact", gap) is None and xnnpack.scoring_hint("fake_quant", gap) is None
+    assert htp.scoring_hint("fake_quant", {"ppl_deployed_vs_qdq": 0.07}) is None  # no interval: no claim
+    assert htp.scoring_hint("fake_quant", {**gap, "ppl_deployed_vs_qdq_ci_low": float("nan")}) is None
 
 
 def test_htp_arithmetic_sweep_composes(compose):
@@ -197,7 +198,7 @@ def test_htp_arithmetic_sweep_composes(compose):
 
 
 def test_models_can_be_left_out_one_by_one(compose):
-    """model_htp_arithmetic's `models` (benchmarks/diag_htp_exact_ops.py): each model applies alone, none is the
+    """model_htp_arithmetic's `models` (diagnostics/diag_htp_exact_ops.py): each model applies alone, none is the
     fake-quant program bit for bit, and an unknown name is refused."""
     from qexp.quant.htp_arithmetic import MODELS
 

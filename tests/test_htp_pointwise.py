@@ -3,7 +3,7 @@ softmax keeps exp as a 15-bit integer and floors its output; its 16-bit sigmoid 
 GELU is x * phi(x) with its own phi, measured on the emulator into qexp/quant/htp_gelu_phi.csv; its 16x16-bit matmul
 keeps its accumulator to 2**16 units. The definitions, the table, the program pass, and the ops on the x86 HTP
 emulator (the GELU over every input code of a range the table was not measured on;
-benchmarks/diag_htp_pointwise.py prints the same on more inputs)."""
+diagnostics/diag_htp_pointwise.py prints the same on more inputs)."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def test_program_pass_models_16bit_pointwise_ops(model, op, compose):
 
 
 def _on_emulator(op, lo, hi):
-    from benchmarks.diag_htp_pointwise import agreement, all_codes_on_htp, softmax_rows_on_htp
+    from diagnostics.diag_htp_pointwise import agreement, all_codes_on_htp, softmax_rows_on_htp
     from qexp import upstream
 
     soc = upstream.QcomChipset.SM8650
@@ -123,8 +123,8 @@ def test_htp_gelu_follows_the_measured_phi_on_the_emulator(cache_dir):
 def test_htp_matmul_keeps_its_accumulator_to_2_16_on_the_emulator(cache_dir):
     """A 16x16-bit matmul with its second operand quantized to int16 directly: 99% of HTP's codes are the candidate
     matmul model's (the program's exact product: ~50%, half a code above). Not in eval.htp_exact: in the attention
-    that operand is converted from uint16 first, which the model does not cover (benchmarks/diag_htp_pointwise.py)."""
-    from benchmarks.diag_htp_pointwise import agreement, matmul_on_htp
+    that operand is converted from uint16 first, which the model does not cover (diagnostics/diag_htp_pointwise.py)."""
+    from diagnostics.diag_htp_pointwise import agreement, matmul_on_htp
     from qexp import upstream
     from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
     from qexp.cache import Cache

@@ -1,6 +1,6 @@
 """HTP's 4-bit weight lowering: per-channel 4-bit weights lowered as LPBQ with one block per row (qexp's default,
 backend.w4_lowering=lpbq) follow their QDQ program as closely as 8-bit weights do; QNN's per-channel 4-bit kernels
-truncate the accumulator and lose ~19 dB (benchmarks/diag_htp_weight_bits.py measures it on SmolLM2's weights).
+truncate the accumulator and lose ~19 dB (diagnostics/diag_htp_weight_bits.py measures it on SmolLM2's weights).
 
 One 1x1 conv layer (the static llama's linears are 1x1 convs), Gaussian weights, on the x86 HTP emulator."""
 
@@ -83,7 +83,7 @@ def test_lpbq_lowering_follows_the_qdq_program(layer_and_qdq, on_htp):
 def test_htp_exact_predicts_the_emulator(layer_and_qdq, on_htp, lowering):
     """eval.htp_exact's arithmetic (qexp/quant/htp_arithmetic.py) gives the emulator's output integers for almost
     every output, where the fake-quant program is systematically off (measured: 99.7% identical on SmolLM2's gate
-    projection, benchmarks/diag_htp_weight_bits.py)."""
+    projection, diagnostics/diag_htp_weight_bits.py)."""
     from qexp.quant.fold import with_weights_dequantized
 
     qdq, x = layer_and_qdq

@@ -112,5 +112,10 @@ class Backend:
         quantizes by its own settings."""
         return str(cfg.quant.name)
 
+    def scoring_hint(self, qdq_arithmetic: Optional[str], metrics: dict) -> Optional[str]:
+        """One line of advice once the deployed program is scored against the QDQ one (`metrics`; the QDQ phase's
+        arithmetic, `fake_quant` or `htp_exact`), or None."""
+        return None
+
     def run(self, inputs: PhaseInputs) -> PhaseResult:
         raise NotImplementedError

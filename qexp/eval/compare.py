@@ -45,8 +45,8 @@ def per_position_sqnr_db(reference: torch.Tensor, test: torch.Tensor, tokens: in
     Why per position: SmolLM2's and Gemma's residual streams carry massive activations at the first position (Gemma
     3's ~300x the others' rms), so a whole-tensor SQNR is that position's; a norm then rescales every position to the
     same rms and its whole-tensor SQNR falls by 15-30 dB with no error of its own (Gemma-3-270M's pre-norms alone on
-    HTP are 67-72 dB from their QDQ programs on real inputs: benchmarks/diag_htp_norm.py). The op-level
-    diagnostics (benchmarks/diag_htp_ops.py, diag_htp_norm.py, diag_qdq_perturb.py) score with it."""
+    HTP are 67-72 dB from their QDQ programs on real inputs: diagnostics/diag_htp_norm.py). The op-level
+    diagnostics (diagnostics/diag_htp_ops.py, diag_htp_norm.py, diag_qdq_perturb.py) score with it."""
     db = position_sqnrs_db(reference, test, tokens)
     if db.numel() == 0:  # no position has signal
         return math.inf if torch.equal(reference.double(), test.double()) else -math.inf

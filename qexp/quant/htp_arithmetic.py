@@ -3,7 +3,7 @@ the QDQ program (eval.htp_exact); a candidate model of its matmul for the diagno
 
 The QDQ (fake-quant) program computes each layer in float: y = conv(s_x (x_q - zp), s_w w_q). HTP computes it in
 integers, and with 16-bit activations it does not keep the whole accumulator. Measured on single layers through the
-x86 HTP emulator (benchmarks/diag_htp_weight_bits.py), HTP's FullyConnected / Conv2d with uint16 activations:
+x86 HTP emulator (diagnostics/diag_htp_weight_bits.py), HTP's FullyConnected / Conv2d with uint16 activations:
   1. T = sum_c w[o, c] * (x_q[c] - 32768), exact (activations re-centred on 32768, whatever their zero point);
   2. drops T's low 8 bits with a floor: T' = floor(T / 256) * 256 (no rounding: a per-channel negative offset);
   3. adds the zero-point correction Z = (32768 - zp) * sum_c w[o, c], rounded to the same 256-unit grid;
@@ -23,7 +23,7 @@ HTP's MatMul of two activations, a uint16 A (zero point za) and an int16 symmetr
 units: T = floor(sum_k a_q b_q / 2**16) * 2**16, minus the zero-point correction za * sum_k b_q rounded to the same
 grid, requantized to nearest: 99.0-99.6% of its codes on the emulator, against 50-82% for the program's exact
 product, which sits 0.16-0.48 code above HTP depending on the encodings (one-op probes: Gaussian operands with A's
-zero point 28487 and 1389, probabilities times values; benchmarks/diag_htp_pointwise.py; computed in float64,
+zero point 28487 and 1389, probabilities times values; diagnostics/diag_htp_pointwise.py; computed in float64,
 exact: |a_q b_q| < 2**31, a few hundred keys). But in these programs B (the attention's K and V) reaches the matmul
 through a uint16 tensor that HTP converts to int16 first, and its conversion is not reproduced: it rounds to
 nearest for ~95% of values and is one code off for the rest (read back through an identity matmul, one-off probe; no
@@ -34,7 +34,7 @@ to -0.02 code on one operand pair and from -0.22 to +0.21 on another. So the mat
 HTP's RMSNorm with a uint16 input and output requantizes its result with a floor, not to nearest: on one norm alone
 on the emulator (640 channels, gains 1 + |N(0, 0.1)| and 1 + 50 |N(0, 1)|), 99.9% of its outputs are floor(y / s) of
 the QDQ program's pre-quantization value y, against 50% for round(y / s), every other one a step lower
-(benchmarks/diag_htp_ops.py measures each op's departure on HTP's own inputs in a whole model: its rms_norm rows show
+(diagnostics/diag_htp_ops.py measures each op's departure on HTP's own inputs in a whole model: its rms_norm rows show
 a -0.5 step mean). Those norms get a quantize with a floor. 8-bit norms are not floored (54% round, 72% floor on a
 one-off 8a8w probe: no simple model) and are left.
 
@@ -43,13 +43,13 @@ it by the row's sum of them, and requantizes the quotient with a floor: on rows 
 causal mask, 64-256 keys, 93-99% of its codes are floor(E / sum(E) / s), 0.11-0.27 code rms from it, against 68-80%
 and 0.5-2.0 rms for the program's round(softmax(x) / s), which also sits 0.2 code above HTP on average (every row of
 its probabilities sums above HTP's) and 2-3 codes rms off HTP's large probabilities, where the 15-bit exp's error
-is largest relative to the output step (benchmarks/diag_htp_pointwise.py). An attention output is a sum of values
+is largest relative to the output step (diagnostics/diag_htp_pointwise.py). An attention output is a sum of values
 weighted by those probabilities, so that is where it shows. Those softmaxes are computed that way (htp_softmax).
 
 HTP's 16-bit Sigmoid keeps 15 bits, floored: over all 65,536 input codes on the emulator every output code is even
 and 85-92% of them are 2 * floor(sigmoid(x) * 32768) (the rest are 2 codes either side, evenly: its sigmoid is an
 approximation within one 15-bit step), against 30-52% for the fake-quant program's round(sigmoid(x) * 65536), which
-sits 0.6-0.9 code above HTP on average (benchmarks/diag_htp_pointwise.py). SiLU is a sigmoid and a mul in these
+sits 0.6-0.9 code above HTP on average (diagnostics/diag_htp_pointwise.py). SiLU is a sigmoid and a mul in these
 programs, so every SmolLM2 / Llama / Qwen MLP has one. Those sigmoids get that quantize.
 
 HTP's 16-bit GELU is neither the tanh form the program computes nor the erf form: it is x * phi(x) with its own phi,
@@ -57,7 +57,7 @@ within ~3/4096 of the normal CDF and rippling about it in [-4, 4] (a polynomial'
 the table resolves phi least), and 1/4096 off it beyond (about 1/4096 below -5.3 and 1 - 1/4096 above 4.6: a large
 negative input gives a small negative output, a large positive one x (1 - 1/4096)). QNN ignores `approximate`
 (executorch/backends/qualcomm/builders/op_gelu.py). qexp models it with phi measured on the emulator
-(htp_gelu_phi.csv, written by benchmarks/diag_htp_pointwise.py: a function of x on a 1/128 grid in [-8, 8], held at
+(htp_gelu_phi.csv, written by diagnostics/diag_htp_pointwise.py: a function of x on a 1/128 grid in [-8, 8], held at
 its ends beyond). On input ranges the table was not measured on, HTP's codes are then 0.9-2.4 codes rms from the
 model, with a bias of at most 0.5 code, against 6.5-12.1 rms and biases up to -10 codes (the tails) from the
 fake-quant program; 29-43% are identical (which codes HTP gets depends on fixed-point details of its kernel that a
@@ -281,7 +281,7 @@ def model_htp_arithmetic(module: torch.fx.GraphModule, w4_lowering: str = "lpbq"
     integer arithmetic, floor every 16-bit RMSNorm's output quantization, and give 16-bit softmaxes, sigmoids and
     GELUs HTP's arithmetic (module docstring). Run it before fold_weight_dequantize: it reads the integer weights.
     `models`: which of MODELS (and CANDIDATE_MODELS: uint16 x int16 activation matmuls) to apply; qexp runs apply
-    MODELS, benchmarks/diag_htp_exact_ops.py leaves each out in turn and adds the candidates."""
+    MODELS, diagnostics/diag_htp_exact_ops.py leaves each out in turn and adds the candidates."""
     unknown = set(models) - set(MODELS) - set(CANDIDATE_MODELS)
     if unknown:
         raise ValueError(f"unknown HTP arithmetic models {sorted(unknown)}; known: "

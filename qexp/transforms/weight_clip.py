@@ -18,7 +18,7 @@ weights' own: per row (and block) sum over tokens of ((Q(w) - w) . x)^2 = d H d^
 inputs (per block its diagonal block, the block's partial output error, as llm-awq's clip search judges it). The
 weights' own error treats every input channel alike; SmolLM2's few massive activation channels make a small weight
 error there a large output error, and that is where clipping by the weights' error hurts (layer 2's down projection
-12x the output error of absmax on held-out tokens: benchmarks/diag_gptq_heldout.py). The inputs are the float
+12x the output error of absmax on held-out tokens: diagnostics/diag_gptq_heldout.py). The inputs are the float
 model's (as AWQ's): the search needs calibration data only then.
 
 `algorithm=[weight_clip]` is round-to-nearest onto the searched scales; `algorithm=[weight_clip,gptq]` is GPTQ

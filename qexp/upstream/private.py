@@ -360,7 +360,7 @@ def inspector_skipping_unmatched_outputs():
     handle by output (`_combine_aot_overlapped_intermediate_outputs`, IndexError: tuple index out of range) before
     checking. Those events are the graph's outputs, compared with the logits anyway. Private reach:
     `executorch.devtools.inspector._inspector_utils`, patched for the block's duration; the events it skipped are
-    counted in the list it yields (benchmarks/diag_htp_ops.py prints the count)."""
+    counted in the list it yields (diagnostics/diag_htp_ops.py prints the count)."""
     import executorch.devtools.inspector._inspector_utils as inspector_utils
 
     original = inspector_utils._combine_aot_overlapped_intermediate_outputs
@@ -384,7 +384,7 @@ def set_inspector_reference_graph(inspector, name: str, exported_program) -> Non
     name) runs on the representative inputs).
 
     Why: an ETRecord read back from its file has lost the nodes' QNN encodings (`quant_attrs` meta), which the
-    reference graph needs to be made the QDQ program again (benchmarks/diag_htp_ops.py: requantize_activations), and
+    reference graph needs to be made the QDQ program again (diagnostics/diag_htp_ops.py: requantize_activations), and
     an Inspector cannot be given the in-memory ETRecord instead (its operator-graph builder fails on the
     in-memory graphs' tuple arguments). Private reach: the Inspector's `_etrecord.graph_map`."""
     inspector._etrecord.graph_map[name] = exported_program

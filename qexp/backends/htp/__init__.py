@@ -6,6 +6,7 @@ phase (the phase the pipeline runs)."""
 from __future__ import annotations
 
 import logging
+import math
 
 from qexp.backends.base import Backend, PhaseInputs, PhaseResult
 from qexp.backends.htp.config import HtpConfig, ModelMode
@@ -71,10 +72,26 @@ class HtpBackend(Backend):
                 f"decode graph's cache ({backend.max_seq_len - decode_ar} slots{' minus ngram' if spare else ''})",
                 "shorten them")
 
+    def scoring_hint(self, qdq_arithmetic, metrics: dict):
+        return htp_exact_hint(qdq_arithmetic, metrics)
+
     def run(self, inputs: PhaseInputs) -> PhaseResult:
         from qexp.backends.htp.phase import run_phase
 
         return run_phase(inputs)
+
+
+def htp_exact_hint(qdq_arithmetic, metrics: dict):
+    """One line for a user whose HTP run departs from the fake-quant QDQ program by more than the interval allows:
+    the QDQ phase can compute what HTP computes instead (on Gemma-3-270M the fake-quant program was 7-15% optimistic
+    and eval.htp_exact within ~1% of HTP). None otherwise."""
+    low, high = metrics.get("ppl_deployed_vs_qdq_ci_low"), metrics.get("ppl_deployed_vs_qdq_ci_high")
+    if qdq_arithmetic != "fake_quant" or low is None or high is None or not (
+            math.isfinite(low) and math.isfinite(high)) or low <= 0 <= high:
+        return None
+    return (f"HTP departs from the fake-quant QDQ program by {100 * metrics['ppl_deployed_vs_qdq']:+.2f}%, beyond its "
+            f"interval: eval.htp_exact=true scores the QDQ phase with the arithmetic HTP runs (16-bit norms floored, "
+            f"the convolutions' accumulator; docs/htp-arithmetic.md)")
 
 
 KV_8BIT_ANNOTATION = "annotate_kv_8bit"
@@ -116,7 +133,7 @@ def _check_one_kv_cache_width(quant) -> None:
 # LPBQ block sizes this QNN SDK's x86 HTP emulator runs correctly. Block 64 segfaults it (`thr_hvx` in
 # libQnnHtp.so while running AWQ + 16a4w_block/64 on SmolLM2, and on a one-layer probe); blocks 48 and 144 return
 # garbage on that probe. Verified: 32 (upstream's Llama recipe) and 16 (its Qwen recipe) on the one-layer
-# probe (benchmarks/diag_htp_weight_bits.py --block-size N: SmolLM2's layer-0 gate and down projections, 83.9-84.4 dB
+# probe (diagnostics/diag_htp_weight_bits.py --block-size N: SmolLM2's layer-0 gate and down projections, 83.9-84.4 dB
 # HTP vs QDQ, as 16a8w's 86 dB) and by tests/test_htp_w4.py::test_lpbq_block_sizes_htp_accepts_run_faithfully.
 HTP_LPBQ_BLOCK_SIZES = (16, 32)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from qexp.backends.base import BackendConfig, BenchConfig
+from qexp.quant.w4_lowering import DEFAULT_W4_LOWERING, W4Lowering
 
 
 class Soc(enum.Enum):
@@ -30,14 +31,6 @@ class Target(enum.Enum):
     # HTP emulated on this host by the x86_64 QNN libraries: timings are NOT phone timings
     x86_emulator = "x86_emulator"
     android = "android"  # a phone over adb with a user-built qnn_llama_runner
-
-
-class W4Lowering(enum.Enum):
-    """How per-channel 4-bit weights (16a4w, 8a4w) are encoded for HTP. Same integers and effective scales either
-    way (the QDQ program and the .pte size do not change); the kernels differ."""
-
-    lpbq = "lpbq"  # LPBQ with one block per output channel: HTP's block-wise kernels (SM8550/8650/8750: V73+)
-    per_channel = "per_channel"  # QNN's per-channel 4-bit encoding: HTP truncates its accumulator (+12% on SmolLM2)
 
 
 class Contexts(enum.Enum):
@@ -69,7 +62,7 @@ class HtpConfig(BackendConfig):
     prefill_ar_len: int = 32  # tokens per prefill_forward call (hybrid / lookahead, and on-target perplexity)
     max_seq_len: int = 256  # context of the deployed graphs; must equal export.max_context_len (the calibration)
     kv_update: KvUpdate = KvUpdate.smart_mask
-    w4_lowering: W4Lowering = W4Lowering.lpbq
+    w4_lowering: W4Lowering = DEFAULT_W4_LOWERING
     # QNN contexts of a multi-graph program: per_graph (each graph lowered on its own) or shared (upstream's one call)
     contexts: Contexts = Contexts.per_graph
     # per_graph: graphs lowered at once, each in its own process (QNN lowering is single-threaded Python work);

@@ -27,7 +27,7 @@ from typing import Dict
 import torch
 
 from qexp.backends.htp import sim_cycles
-from qexp.backends.htp.config import Contexts, ModelMode, W4Lowering
+from qexp.backends.htp.config import Contexts, ModelMode
 from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
 from qexp.cache import Cache, stable_hash
 from qexp.errors import ConfigError
@@ -40,6 +40,7 @@ from qexp.quant.calibrate import (
     observer_statistics,
 )
 from qexp.quant.recipe import make_quantizer
+from qexp.quant.w4_lowering import W4Lowering
 from qexp.timing import StageTimer, release_memory
 from qexp.upstream.private import (
     executorch_backend_config,
@@ -359,7 +360,7 @@ def shard_graph(passes: dict, deps: dict, n_layers: int, shares: int) -> None:
 def lower_graphs(graphs: dict, constant_methods=None, generate_etrecord: bool = False):
     """Deploy graphs (_deploy_graph's dicts, by method name) -> the HTP-delegated EdgeProgramManager, by upstream's
     one lowering call (one QNN context for all of them); with `generate_etrecord`, the manager keeps the ETRecord
-    ExecuTorch's Inspector reads (benchmarks/diag_htp_ops.py)."""
+    ExecuTorch's Inspector reads (diagnostics/diag_htp_ops.py)."""
     from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
 
     # the same graph, traced without dynamo (~120 s of a SmolLM2 graph's ~300 s), its Python source generated only

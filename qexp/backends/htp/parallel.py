@@ -223,7 +223,7 @@ def drop_unused_weights(program) -> None:
     pre-lowering program beside its compiled bytes (its `original_module`, 239 MiB of tensors). ExecuTorch's
     serializer carries both as base64 inside JSON inside the pickle; reading that back in the parent peaked 3.2 GiB
     above where it started, 1.7 GiB without the delegate's copy, and was the default run's memory peak
-    (benchmarks/diag_compile_memory.py --parallel). The unused state_dict entries are deleted; the delegate's
+    (diagnostics/diag_compile_memory.py --parallel). The unused state_dict entries are deleted; the delegate's
     tensors become one-element stand-ins of the same shapes (_placeholder_like), since emitting the .pte reads the
     delegate's compiled bytes and its original graph's nodes (debug handles, output count), never their values.
     The .pte bytes are the same (tests/test_htp.py)."""

@@ -17,9 +17,9 @@ Each op's *own* departure (`local_*` columns, local_departures): the reference r
 inputs, so an op is charged only with what its kernel does, in steps (LSB) of its output encoding: the share of
 outputs that differ, the rms and mean difference (the mean is a bias: HTP's 16-bit RMSNorm floors, -1/2 step, which
 eval.htp_exact models) and the largest. Printed per kind of op, per module (layers pooled) and for the largest, next
-to what unbiased rounding noise of σ LSB would give (benchmarks/diag_qdq_perturb.py's units).
+to what unbiased rounding noise of σ LSB would give (diagnostics/diag_qdq_perturb.py's units).
 
-    .venv/bin/python benchmarks/diag_htp_ops.py [--top 25] [hydra overrides, e.g. model=gemma3_270m quant=16a4w]
+    .venv/bin/python diagnostics/diag_htp_ops.py [--top 25] [hydra overrides, e.g. model=gemma3_270m quant=16a4w]
 
 The program differs from the deployed one on purpose in that its one method is named `forward` (the Inspector reads
 only that name), and in what QNN cannot fuse when every tensor is dumped: the script prints how far the two

@@ -6,9 +6,9 @@ every scheme has them), the other half are compared. Each op is run three ways: 
 gains?), and on Gaussian rows of the same per-position rms (is it the inputs' shape?). Prints HTP vs QDQ SQNR for the
 whole tensor, the first position and the median of the others (`x86_emulator`), and QDQ vs fp32.
 
-    .venv/bin/python benchmarks/diag_htp_norm.py model=gemma3_270m --module layers.8.ffn_norm
+    .venv/bin/python diagnostics/diag_htp_norm.py model=gemma3_270m --module layers.8.ffn_norm
 
-HTP's GELU, softmax and sigmoid over every input code: benchmarks/diag_htp_pointwise.py.
+HTP's GELU, softmax and sigmoid over every input code: diagnostics/diag_htp_pointwise.py.
 """
 
 from __future__ import annotations

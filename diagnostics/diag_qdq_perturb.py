@@ -14,7 +14,7 @@ windows, and compares it with the unperturbed program on the same windows:
 Per variant: perplexity, its change against the unperturbed program with the paired-bootstrap 95% interval
 (qexp.eval.compare), top-1 agreement, logits SQNR; and the perturbation's own size per op, measured on the first
 window: the median over the program's activations (and over its norms' outputs) of one op's perturbed output against
-its unperturbed output on the same input (per-position SQNR, as benchmarks/diag_htp_norm.py reports HTP's departure
+its unperturbed output on the same input (per-position SQNR, as diagnostics/diag_htp_norm.py reports HTP's departure
 from a norm's QDQ program, so the two compare).
 
 `--only REGEX` perturbs just the activations whose `<module>:<op>` name matches (e.g. `norm:rms_norm`, the norms'
@@ -23,9 +23,9 @@ the device on the noise rows: what unbiased noise of the device's top-1 agreemen
 program, interpolated, next to what the device costs it. Equal: the device's departure behaves as unbiased rounding
 noise the program amplifies; far above: it has a direction; below: it departs where the program does not care.
 
-    .venv/bin/python benchmarks/diag_qdq_perturb.py model=gemma3_270m quant=16a4w quant.block_size=64
-    .venv/bin/python benchmarks/diag_qdq_perturb.py --variants gauss:0.5,floor --seeds 3 quant=16a8w
-    .venv/bin/python benchmarks/diag_qdq_perturb.py --only 'norm(_fn)?:rms_norm' --variants gauss:1 model=gemma3_270m
+    .venv/bin/python diagnostics/diag_qdq_perturb.py model=gemma3_270m quant=16a4w quant.block_size=64
+    .venv/bin/python diagnostics/diag_qdq_perturb.py --variants gauss:0.5,floor --seeds 3 quant=16a8w
+    .venv/bin/python diagnostics/diag_qdq_perturb.py --only 'norm(_fn)?:rms_norm' --variants gauss:1 model=gemma3_270m
 
 Everything is CPU; the figures are logged to MLflow (experiment `benchmarks`, CSV artifact).
 """

@@ -8,10 +8,10 @@ qexp.timing.release_memory does), then in this one process: builds each deploy g
 emits the program. Prints the process's resident memory after each step and the peak within it (sampled every
 50 ms from /proc/self/statm), so the steps' shares of the peak can be read off. Nothing is cached or tracked.
 
-    .venv/bin/python benchmarks/diag_compile_memory.py
-    .venv/bin/python benchmarks/diag_compile_memory.py model=gemma3_270m
-    .venv/bin/python benchmarks/diag_compile_memory.py --parallel   # the default path: compile_workers=2
-    .venv/bin/python benchmarks/diag_compile_memory.py --in-turn    # compile_workers=1: one graph after the other
+    .venv/bin/python diagnostics/diag_compile_memory.py
+    .venv/bin/python diagnostics/diag_compile_memory.py model=gemma3_270m
+    .venv/bin/python diagnostics/diag_compile_memory.py --parallel   # the default path: compile_workers=2
+    .venv/bin/python diagnostics/diag_compile_memory.py --in-turn    # compile_workers=1: one graph after the other
 
 --parallel builds and lowers the graphs as a default run does (the first here, the others in forked workers,
 each worker building its own graph after the fork; qexp/backends/htp/parallel.py) and prints this process's RSS

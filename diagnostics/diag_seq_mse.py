@@ -26,9 +26,9 @@ on one kind of linear, one range of layers or one of the last layers at a time (
 projection's largest-weight row put back at RTN (an outlier neuron?): where the loss is. Each Δ vs RTN carries its
 paired 95% interval over the windows.
 
-    .venv/bin/python benchmarks/diag_seq_mse.py                              # SmolLM2, 16a4w per channel
-    .venv/bin/python benchmarks/diag_seq_mse.py --layers 0,1,2 quant=16a4w_block quant.block_size=64
-    .venv/bin/python benchmarks/diag_seq_mse.py --whole-model                # the causal test, all 30 layers
+    .venv/bin/python diagnostics/diag_seq_mse.py                              # SmolLM2, 16a4w per channel
+    .venv/bin/python diagnostics/diag_seq_mse.py --layers 0,1,2 quant=16a4w_block quant.block_size=64
+    .venv/bin/python diagnostics/diag_seq_mse.py --whole-model                # the causal test, all 30 layers
 """
 
 from __future__ import annotations

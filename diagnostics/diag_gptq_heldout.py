@@ -11,8 +11,8 @@ scales (the weights' own rounding error minimised): this is how qexp found why w
 12x. The out_clip columns are the same onto weight_clip's `objective: outputs` scales (the calibration tokens'
 output error minimised).
 
-    .venv/bin/python benchmarks/diag_gptq_heldout.py                       # SmolLM2, LPBQ block 32
-    .venv/bin/python benchmarks/diag_gptq_heldout.py --layers 0,5 quant=16a4w calibration.limit=32
+    .venv/bin/python diagnostics/diag_gptq_heldout.py                       # SmolLM2, LPBQ block 32
+    .venv/bin/python diagnostics/diag_gptq_heldout.py --layers 0,5 quant=16a4w calibration.limit=32
 """
 
 from __future__ import annotations

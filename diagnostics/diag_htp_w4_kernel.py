@@ -6,7 +6,7 @@ but the integers are nearly exactly representable on the 8-bit grid (error < 3% 
 through its 8-bit kernels. Prints HTP vs the same AR-N graph's CPU QDQ program on one window, to compare with the
 16a4w run's `ppl_htp_vs_qdq` (x86 HTP emulator; a full SmolLM2 compile, ~10 min).
 
-    .venv/bin/python benchmarks/diag_htp_w4_kernel.py [hydra overrides ...]
+    .venv/bin/python diagnostics/diag_htp_w4_kernel.py [hydra overrides ...]
 """
 
 from __future__ import annotations

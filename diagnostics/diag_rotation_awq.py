@@ -26,11 +26,11 @@ With `--layer-errors`, per layer instead, for the float and the rotated model: e
 on its grid, the blocks' crest factor (absmax / rms) and its relative output error ||(Q - W) X||^2 / ||W X||^2 on
 the first evaluation windows (X: the layer's float inputs in that model).
 
-    .venv/bin/python benchmarks/diag_rotation_awq.py                        # SmolLM2, LPBQ block 32
-    .venv/bin/python benchmarks/diag_rotation_awq.py quant=16a4w_block quant.block_size=64
-    .venv/bin/python benchmarks/diag_rotation_awq.py --layer-errors
-    .venv/bin/python benchmarks/diag_rotation_awq.py --first-token
-    .venv/bin/python benchmarks/diag_rotation_awq.py --first-token --stack rotation,weight_clip,gptq \
+    .venv/bin/python diagnostics/diag_rotation_awq.py                        # SmolLM2, LPBQ block 32
+    .venv/bin/python diagnostics/diag_rotation_awq.py quant=16a4w_block quant.block_size=64
+    .venv/bin/python diagnostics/diag_rotation_awq.py --layer-errors
+    .venv/bin/python diagnostics/diag_rotation_awq.py --first-token
+    .venv/bin/python diagnostics/diag_rotation_awq.py --first-token --stack rotation,weight_clip,gptq \
         quant=16a4w_block quant.block_size=64 calibration.sampling=spread calibration.limit=128 \
         ++algorithm.weight_clip.objective=outputs
 """

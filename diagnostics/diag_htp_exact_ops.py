@@ -16,9 +16,9 @@ computed on the emulator): HTP's Δ from each with its
 95% interval (paired bootstrap over windows, qexp/eval/uncertainty.py) and top-1 agreement. One QDQ evaluation per
 arithmetic: SmolLM2 on 32 windows ~40 s each.
 
-    .venv/bin/python benchmarks/diag_htp_exact_ops.py [--windows 8] [hydra overrides, e.g. quant=16a8w]
-    .venv/bin/python benchmarks/diag_htp_exact_ops.py model=gemma3_270m quant=16a8w quant.block_size=64
-    .venv/bin/python benchmarks/diag_htp_exact_ops.py --perplexity eval.limit=32 backend.eval_tokens=8192
+    .venv/bin/python diagnostics/diag_htp_exact_ops.py [--windows 8] [hydra overrides, e.g. quant=16a8w]
+    .venv/bin/python diagnostics/diag_htp_exact_ops.py model=gemma3_270m quant=16a8w quant.block_size=64
+    .venv/bin/python diagnostics/diag_htp_exact_ops.py --perplexity eval.limit=32 backend.eval_tokens=8192
 
 The QDQ program here is the deployed prefill graph's, on the inputs qexp's HTP runner gives it: where the two differ
 at all it is because of the arithmetic. SmolLM2 ~3 min once its `.pte` is cached; Gemma-3-270M ~13 GiB.
@@ -67,14 +67,14 @@ def arithmetics() -> dict:
 
 def attribute(cfg, n_windows: int) -> tuple[dict, dict]:
     """({arithmetic label: agreement with HTP}, facts: model, positions, emulator seconds, what htp_exact modelled)."""
-    from benchmarks.diag_htp_ops import first_chunk_inputs
+    from diagnostics.diag_htp_ops import first_chunk_inputs
     from qexp.backends.htp.lower import PREFILL_GRAPH, _deploy_graph, compile_pte, graph_ar_lens
     from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
     from qexp.backends.htp.runner import HtpRunner
     from qexp.pipeline import prepare
     from qexp.provenance import library_versions
     from qexp.quant.fold import with_weights_dequantized
-    from qexp.stages import htp_w4_lowering
+    from qexp.quant.w4_lowering import w4_lowering_of
     from qexp.upstream.private import tree_leaves
 
     state = prepare(cfg, through="qdq")
@@ -96,7 +96,7 @@ def attribute(cfg, n_windows: int) -> tuple[dict, dict]:
     htp = torch.cat(htp).float()
     facts = {"positions": htp.shape[0], "tokens_per_window": ar, "windows": len(windows),
              "emulator_s": time.perf_counter() - started}
-    lowering = htp_w4_lowering(cfg)  # as this run's HTP program gets its 4-bit weights
+    lowering = w4_lowering_of(cfg)  # as this run's HTP program gets its 4-bit weights
     rows = {}
     for label, models in arithmetics().items():
         program = with_weights_dequantized(graph["module"], None if models is None else lowering,
@@ -123,7 +123,7 @@ def attribute_perplexity(cfg) -> tuple[dict, dict]:
     from qexp.pipeline import prepare
     from qexp.provenance import library_versions
     from qexp.quant.fold import with_weights_dequantized
-    from qexp.stages import htp_w4_lowering
+    from qexp.quant.w4_lowering import w4_lowering_of
 
     state = prepare(cfg, through="qdq")
     ensure_qnn_sdk(state.cache)
@@ -135,7 +135,7 @@ def attribute_perplexity(cfg) -> tuple[dict, dict]:
     facts = {"windows": state.windows.n_windows, "htp_windows": subset.n_windows, "htp_tokens": subset.n_predicted,
              "htp_cache_hit": hit, "ppl_deployed": htp.metrics()["ppl"],
              "ppl_qdq_phase": state.qdq.result.metrics()["ppl"]}  # what the run itself reports (its eval.htp_exact)
-    lowering = htp_w4_lowering(cfg)
+    lowering = w4_lowering_of(cfg)
     rows, fake = {}, None
     for label, models in arithmetics().items():
         program = with_weights_dequantized(state.qdq.program.module, None if models is None else lowering,

@@ -7,17 +7,21 @@ it: the prefill chunk's compute term (flops / rate) and whole call time, and the
 Spearman rank correlation of each pair. SA8797 has no published figures, so the model's times are given for
 SM8750: the ranking, not the time, is compared (a v81 simulation is not a phone's clock).
 
-    .venv/bin/python benchmarks/diag_sim_cycles.py [--quick]
+    .venv/bin/python diagnostics/diag_sim_cycles.py [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
 
-from common import run_qexp
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from benchmarks.common import run_qexp  # noqa: E402
 
 WIDTHS = (128, 256, 512)
 AR_LENS = (8, 32)
@@ -41,7 +45,6 @@ def modelled(width: int, ar_len: int, scheme: str) -> dict:
     """The speed model's times of one prefill and one decode call of this config on SM8750 (microseconds)."""
     from hydra import compose, initialize_config_dir
 
-    from common import REPO
     import qexp.config  # noqa: F401 - registers the schema
     from qexp.speed.bytes import Shapes, stream_bytes
     from qexp.speed.data import quant_config

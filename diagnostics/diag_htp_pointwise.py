@@ -11,8 +11,8 @@ candidate (softmax floored
 without the 15-bit exp, sigmoid floored to 16 bits; erf-GELU): share of codes identical, mean (HTP minus model: a
 bias) and rms.
 
-    .venv/bin/python benchmarks/diag_htp_pointwise.py                       # every op, several inputs
-    .venv/bin/python benchmarks/diag_htp_pointwise.py --write-gelu-table    # re-measure qexp/quant/htp_gelu_phi.csv
+    .venv/bin/python diagnostics/diag_htp_pointwise.py                       # every op, several inputs
+    .venv/bin/python diagnostics/diag_htp_pointwise.py --write-gelu-table    # re-measure qexp/quant/htp_gelu_phi.csv
 
 --write-gelu-table measures phi(x) = 4096 * HTP(x) / x, averaged over a 1/128 grid of x, from the ranges [-1.5, 1.5]
 (|x| < 1.4, where the finer output step resolves phi) and [-8, 8] (the rest), and writes the table eval.htp_exact

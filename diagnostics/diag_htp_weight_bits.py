@@ -12,8 +12,8 @@ Each scheme is also computed by the QDQ program with HTP's integer arithmetic (e
 qexp/quant/htp_arithmetic.py): "HTP vs htp_exact" and the share of bit-exact outputs say how well that model predicts
 the emulator.
 
-    .venv/bin/python benchmarks/diag_htp_weight_bits.py [--weight layers.0.feed_forward.w1.weight] [overrides ...]
-    .venv/bin/python benchmarks/diag_htp_weight_bits.py --inputs real model=gemma3_270m \
+    .venv/bin/python diagnostics/diag_htp_weight_bits.py [--weight layers.0.feed_forward.w1.weight] [overrides ...]
+    .venv/bin/python diagnostics/diag_htp_weight_bits.py --inputs real model=gemma3_270m \
         --weight layers.0.feed_forward.w2.weight
 
 --inputs real feeds the layer what it sees in the model instead of Gaussian rows: its inputs in the float model
