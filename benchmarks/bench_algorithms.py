@@ -35,6 +35,9 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
+
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+
     from qexp.cache import Cache
     from qexp.pipeline import prepare
     from qexp.timing import StageTimer

@@ -33,7 +33,7 @@ def main() -> None:
     import torch
     from hydra import compose, initialize_config_dir
 
-    import qexp.config  # noqa: F401
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
     from qexp.backends.htp.lower import compile_pte
     from qexp.backends.htp.runner import HtpRunner
     from qexp.pipeline import prepare

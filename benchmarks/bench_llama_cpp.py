@@ -38,7 +38,7 @@ def compose(overrides):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    import qexp.config  # noqa: F401
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides)

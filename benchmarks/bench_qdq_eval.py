@@ -41,6 +41,9 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
+
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+
     from qexp.models.static_llama import window_logits
     from qexp.pipeline import prepare
     from qexp.quant.fold import with_weights_dequantized

@@ -138,7 +138,7 @@ def emulator_config(overrides: list):
     QNN SDK libraries in place (diagnostics/diag_htp_norm.py, diag_htp_pointwise.py)."""
     from hydra import compose, initialize_config_dir
 
-    import qexp.config  # noqa: F401
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
     from qexp import upstream
     from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
     from qexp.cache import Cache
@@ -163,7 +163,7 @@ def quantized_on_htp(module, calibration: tuple, inputs: tuple, soc):
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     from qexp import upstream
-    from qexp.upstream.private import load_program
+    from qexp.upstream.private_runtime import load_program
 
     quantizer = upstream.QnnQuantizer(soc_model=soc)
     quantizer.set_default_quant_config(upstream.QuantDtype.use_16a8w)

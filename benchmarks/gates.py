@@ -44,7 +44,7 @@ def fp_vs_transformers(overrides: list[str]) -> tuple[float, float]:
     from hydra import compose, initialize_config_dir
     from transformers import AutoModelForCausalLM
 
-    import qexp.config  # noqa: F401
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
     from qexp.eval.perplexity import evaluate
     from qexp.pipeline import prepare
 

@@ -157,6 +157,8 @@ def main() -> None:
     args = parser.parse_args()
     from hydra import compose, initialize_config_dir
 
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+
     import torch
 
     from qexp.backends.htp.config import W4Lowering

@@ -56,7 +56,7 @@ def metric_prefix(label: str) -> str:
 
 def arithmetics() -> dict:
     """{label: htp_exact models (None: the fake-quant program)}."""
-    from qexp.quant.htp_arithmetic import CANDIDATE_MODELS, MODELS
+    from qexp.quant.htp_arithmetic_pass import CANDIDATE_MODELS, MODELS
 
     variants = {"fake_quant": None, "htp_exact": MODELS}
     variants.update({f"htp_exact + {m}": MODELS + (m,) for m in CANDIDATE_MODELS})
@@ -180,7 +180,7 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    import qexp.config  # noqa: F401
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
     from qexp.tracking.store import resolve_uri
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

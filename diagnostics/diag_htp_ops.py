@@ -330,11 +330,11 @@ def diagnose(cfg) -> OpDiagnosis:
     from qexp.backends.htp.runner import HtpRunner
     from qexp.pipeline import prepare
     from qexp.provenance import library_versions
-    from qexp.upstream.private import (
+    from qexp.upstream.private import tree_leaves
+    from qexp.upstream.private_runtime import (
         inspector_skipping_unmatched_outputs,
         load_program,
         set_inspector_reference_graph,
-        tree_leaves,
     )
 
     if cfg.backend.name != "htp" or cfg.backend.model_mode == ModelMode.kv:
@@ -438,7 +438,7 @@ def main() -> None:
     import pandas as pd
     from hydra import compose, initialize_config_dir
 
-    import qexp.config  # noqa: F401
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
     from qexp.tracking.store import resolve_uri
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

@@ -38,7 +38,7 @@ def on_4bit_grid(state_dict: dict) -> dict:
 def main() -> None:
     from hydra import compose, initialize_config_dir
 
-    import qexp.config  # noqa: F401
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
     from qexp.backends.htp.lower import PREFILL_GRAPH, compile_pte, quantized_graph
     from qexp.backends.htp.runner import HtpRunner
     from qexp.pipeline import prepare

@@ -104,7 +104,7 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    import qexp.config  # noqa: F401
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
     from qexp.cache import Cache
     from qexp.models.sources import load_model
     from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
@@ -122,7 +122,8 @@ def main() -> None:
         to_edge_transform_and_lower_to_qnn,
     )
     from qexp import upstream
-    from qexp.upstream.private import load_program, lower_4bit_per_channel_as_lpbq
+    from qexp.upstream.private import lower_4bit_per_channel_as_lpbq
+    from qexp.upstream.private_runtime import load_program
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     from qexp.quant.calibrate import weight_observers

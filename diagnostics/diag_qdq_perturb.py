@@ -288,7 +288,7 @@ def main() -> None:
     import pandas as pd
     from hydra import compose, initialize_config_dir
 
-    import qexp.config  # noqa: F401
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
     from qexp.tracking.store import resolve_uri
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

@@ -10,7 +10,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-import qexp.config  # noqa: F401 - registers the structured config schema
+import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
 from qexp.errors import QexpError
 from qexp.tracking.redact import mask_log_records
 

@@ -133,6 +133,11 @@ class QuantOverride:
     note: str = ""
 
 
+# upstream's annotation that gives every KV cache 8 bits whatever the projections get (quant.custom_annotations);
+# the HTP backend checks the cache widths with it, the speed model counts the cache bytes with it
+KV_8BIT_ANNOTATION = "annotate_kv_8bit"
+
+
 @dataclass
 class QuantConfig:
     name: str = MISSING
@@ -251,14 +256,9 @@ class QexpConfig:
 
 
 def register_configs() -> None:
-    """The top-level schema, and each registered backend's config as `backend/<name>_schema` (the schema that
-    conf/backend/<name>.yaml lists in its defaults)."""
-    from qexp.backends import BACKENDS
-
-    store = ConfigStore.instance()
-    store.store(name="qexp_schema", node=QexpConfig)
-    for name, backend in BACKENDS.items():
-        store.store(group="backend", name=f"{name}_schema", node=backend.config_class)
+    """The top-level schema. Each backend's config is registered with the backend (qexp/backends/registry.py), so
+    the schema does not need the backends: compose after `import qexp.backends`, which registers both."""
+    ConfigStore.instance().store(name="qexp_schema", node=QexpConfig)
 
 
 register_configs()

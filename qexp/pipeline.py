@@ -178,7 +178,7 @@ def run_experiment(cfg: DictConfig, job: Optional["SweepJob"] = None) -> Experim
 
 def _same_htp_exact_model(cfg: DictConfig, previous) -> bool:
     """Whether a FINISHED run's QDQ phase used this code's model of HTP's arithmetic (always, without htp_exact)."""
-    from qexp.quant.htp_arithmetic import MODELLED_OPS
+    from qexp.quant.htp_arithmetic_pass import MODELLED_OPS
 
     if not cfg.eval.get("htp_exact", False) or previous.data.tags.get("qdq_arithmetic") != "htp_exact":
         return True

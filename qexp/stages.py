@@ -183,7 +183,7 @@ def qdq(state) -> None:
     from qexp.quant.calibrate import quantize
     from qexp.quant.encodings import encodings_table, summarize_encodings, weights_megabytes
     from qexp.quant.fold import with_weights_dequantized
-    from qexp.quant.htp_arithmetic import MODELLED_OPS
+    from qexp.quant.htp_arithmetic_pass import MODELLED_OPS
     from qexp.transforms import algorithm_label, build_transforms, calibration_algorithms
 
     if not state.quantized:

@@ -44,7 +44,7 @@ def compose(cache_dir, store_uri):
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    import qexp.config  # noqa: F401 - registers the schema
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
 
     def _compose(overrides: List[str] | None = None, tracked: bool = True):
         GlobalHydra.instance().clear()

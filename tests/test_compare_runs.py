@@ -64,7 +64,8 @@ def _metric(comparison, name):
 def test_compare_shows_differing_params_and_metrics_with_a_paired_interval(store):
     import mlflow
 
-    from qexp.report.compare_runs import compare_runs, render
+    from qexp.report.compare_render import render
+    from qexp.report.compare_runs import compare_runs
 
     uri, ids = store
     comparison = compare_runs(ids["16a8w"], ids["16a4w"], uri)
@@ -91,7 +92,8 @@ def test_compare_shows_differing_params_and_metrics_with_a_paired_interval(store
 
 
 def test_compare_flags_runs_on_other_windows(store):
-    from qexp.report.compare_runs import compare_runs, render
+    from qexp.report.compare_render import render
+    from qexp.report.compare_runs import compare_runs
 
     uri, ids = store
     comparison = compare_runs(ids["16a4w"], ids["16a4w_4_windows"], uri)
@@ -125,7 +127,8 @@ def test_compare_flags_runs_on_another_cpu(store):
 
 
 def test_compare_lines_up_legacy_names_and_flags_targets(synthetic):
-    from qexp.report.compare_runs import compare_runs, render
+    from qexp.report.compare_render import render
+    from qexp.report.compare_runs import compare_runs
 
     uri, ids = synthetic
     comparison = compare_runs(ids["old_htp"], ids["xnnpack"], uri)

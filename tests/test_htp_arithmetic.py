@@ -12,12 +12,12 @@ from qexp.models.static_llama import window_logits
 from qexp.pipeline import prepare
 from qexp.quant.fold import with_weights_dequantized
 from qexp.quant.htp_arithmetic import (
-    MODELLED_OPS,
     htp_accumulate,
     htp_conv1x1,
     htp_integer_weights,
     quantize_per_tensor_floor,
 )
+from qexp.quant.htp_arithmetic_pass import MODELLED_OPS
 from qexp.quant.lpbq import quantize_block_scales
 from qexp.config import BlockScaleRounding
 
@@ -200,7 +200,7 @@ def test_htp_arithmetic_sweep_composes(compose):
 def test_models_can_be_left_out_one_by_one(compose):
     """model_htp_arithmetic's `models` (diagnostics/diag_htp_exact_ops.py): each model applies alone, none is the
     fake-quant program bit for bit, and an unknown name is refused."""
-    from qexp.quant.htp_arithmetic import MODELS
+    from qexp.quant.htp_arithmetic_pass import MODELS
 
     state = prepare(compose(TINY + ["quant=16a8w"]), "qdq")
     program, static = state.qdq.program.module, state.qdq.static
@@ -208,7 +208,7 @@ def test_models_can_be_left_out_one_by_one(compose):
     fake = window_logits(with_weights_dequantized(program), static, ids)
     nothing = with_weights_dequantized(program, "lpbq", htp_exact_models=())
     assert torch.equal(window_logits(nothing, static, ids), fake)
-    from qexp.quant.htp_arithmetic import CANDIDATE_MODELS
+    from qexp.quant.htp_arithmetic_pass import CANDIDATE_MODELS
 
     counts = {m: with_weights_dequantized(program, "lpbq", htp_exact_models=(m,)).htp_counts
               for m in MODELS + CANDIDATE_MODELS}

@@ -50,7 +50,8 @@ def _run_on_htp(qdq, x, tmp_path, lpbq: bool):
     )
 
     from qexp import upstream
-    from qexp.upstream.private import load_program, lower_4bit_per_channel_as_lpbq
+    from qexp.upstream.private import lower_4bit_per_channel_as_lpbq
+    from qexp.upstream.private_runtime import load_program
 
     spec = generate_qnn_executorch_compiler_spec(soc_model=upstream.QcomChipset.SM8650,
                                                  backend_options=generate_htp_compiler_spec(use_fp16=False))

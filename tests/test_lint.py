@@ -29,3 +29,71 @@ def test_the_package_declares_its_dependencies():
     declared = requires("qexp") or []
     for pin in ("torch==2.13.0", "executorch==1.5.1", "mlflow==3.17.2", "hydra-core==1.3.2"):
         assert pin in declared, f"{pin} not in qexp's declared dependencies (re-run `make setup`): {declared}"
+
+
+def _import_graph() -> dict:
+    """qexp's modules -> the qexp modules each imports, module-level and function-level imports alike (a
+    `from package import name` counts as importing the submodule `name` where there is one, else the package)."""
+    import ast
+
+    modules = {}
+    for path in (REPO / "qexp").rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def resolve(name: str):
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            edges |= {resolve(n) for n in names if n.startswith("qexp")} - {None, module}
+        graph[module] = edges
+    return graph
+
+
+def test_no_import_cycles():
+    """No two qexp modules import each other, directly or through others, lazy imports inside functions included:
+    each module can be read (and imported) after the ones it needs."""
+    graph = _import_graph()
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    assert not cycles, "modules that import each other (directly or through others): " + "; ".join(
+        " <-> ".join(c) for c in cycles)

@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 
 from qexp.report import plots
+from qexp.report.plot_figure import pareto_front
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 EVAL = {"text": "gensim-enwiki-excerpt", "n_windows": 8, "window_len": 256}
@@ -63,8 +64,8 @@ def _legend(fig):
 def test_pareto_front_minimising_both():
     size = np.array([100.0, 200.0, 150.0, 300.0, 200.0])
     ppl = np.array([50.0, 30.0, 60.0, 25.0, 35.0])  # (150, 60) is beaten by (100, 50); (200, 35) by (200, 30)
-    assert list(plots.pareto_front(size, ppl, larger_x_better=False)) == [0, 1, 3]
-    assert list(plots.pareto_front(size, ppl)) == [3]  # larger x better: (300, 25) beats every other point
+    assert list(pareto_front(size, ppl, larger_x_better=False)) == [0, 1, 3]
+    assert list(pareto_front(size, ppl)) == [3]  # larger x better: (300, 25) beats every other point
 
 
 def test_collapsed_point_is_flagged_and_left_out_of_the_y_axis(figures):

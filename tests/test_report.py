@@ -193,7 +193,7 @@ def test_report_labels_htp_exact_rows():
     arithmetic stays as it was."""
     from qexp.report import build_report
 
-    from qexp.quant.htp_arithmetic import MODELLED_OPS
+    from qexp.quant.htp_arithmetic_pass import MODELLED_OPS
 
     exact = {**HTP, "run_id": "exact", "tags.qdq_arithmetic": "htp_exact", "metrics.ppl_qdq": 24.1,
              "tags.htp_exact_model": MODELLED_OPS}

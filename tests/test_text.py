@@ -16,12 +16,13 @@ from helpers import TINY
 from qexp.cache import Cache, file_sha256
 from qexp.config import TextConfig
 from qexp.data.calibration import build_calibration, check_disjoint
-from qexp.data.text import AUSTEN, AUSTEN_NOVELS, GENSIM_EXCERPT, LEE_NEWS, WIKITEXT2, austen_path, load_corpus
+from qexp.data.text import load_corpus
+from qexp.data.text_sources import AUSTEN, AUSTEN_NOVELS, GENSIM_EXCERPT, LEE_NEWS, WIKITEXT2, austen_path
 from qexp.data.windows import make_windows
 from qexp.errors import ConfigError, InputError
 
 # The texts' sha256 (both halves): a change of split rule or cleaning must change these on purpose (and bump the
-# source's split version in qexp/data/text.py, which keys the cached split).
+# source's split version in qexp/data/text_sources.py, which keys the cached split).
 GENSIM_EXCERPT_SHA256 = "b1406d54111a4d00494b9cf328083f6316a6f5730822b1b823540028f2b1e034"
 LEE_NEWS_SHA256 = "b039b47f29a636fddddb9fb63610b94cc015a0919716344e5de52ed768d1678b"
 # by the sha256 of janeaustenr's Rdata.rdb (Debian r-cran-janeaustenr 1.0.0-1); another version has other text
@@ -152,10 +153,10 @@ def test_austen_calibration_disjoint_from_windows(austen, tiny_model):
 
 def test_missing_austen_package(compose, monkeypatch, tmp_path, cache_dir):
     """Without the Debian package: one line naming it and how to install it, before any model is loaded."""
-    import qexp.data.text
+    import qexp.data.text_sources
     from qexp.pipeline import validate
 
-    monkeypatch.setattr(qexp.data.text, "AUSTEN_DIRS", (str(tmp_path / "janeaustenr"),))
+    monkeypatch.setattr(qexp.data.text_sources, "AUSTEN_DIRS", (str(tmp_path / "janeaustenr"),))
     with pytest.raises(InputError) as error:
         validate(compose(TINY + ["text=austen"]))
     assert str(error.value) == AUSTEN_MISSING

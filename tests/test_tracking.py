@@ -252,7 +252,7 @@ def test_a_sweep_does_not_resume_from_an_older_htp_exact_model(compose, store_ur
     missing as on runs before the tag) is not skipped on a sweep's resume: its QDQ numbers are not this code's. One
     computed by the current model is skipped, and so is a fake-quant run whatever its tags."""
     from qexp.provenance import config_hash
-    from qexp.quant.htp_arithmetic import MODELLED_OPS
+    from qexp.quant.htp_arithmetic_pass import MODELLED_OPS
     from qexp.tracking.store import Tracker
     from qexp.tracking.sweep import SweepJob
 

@@ -11,9 +11,14 @@ BACKENDS: Dict[str, Type[Backend]] = {}
 
 
 def register_backend(cls: Type[Backend]) -> Type[Backend]:
+    """Register a backend by name, and its config dataclass as `backend/<name>_schema` (the schema that
+    conf/backend/<name>.yaml lists in its defaults)."""
+    from hydra.core.config_store import ConfigStore
+
     if cls.name in BACKENDS and BACKENDS[cls.name] is not cls:
         raise ValueError(f"backend {cls.name!r} is registered twice ({BACKENDS[cls.name]} and {cls})")
     BACKENDS[cls.name] = cls
+    ConfigStore.instance().store(group="backend", name=f"{cls.name}_schema", node=cls.config_class)
     return cls
 
 

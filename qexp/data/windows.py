@@ -39,6 +39,13 @@ class Windows:
     def n_predicted(self) -> int:
         return self.n_windows * (self.seq_len - self.first_target)
 
+    def within_budget(self, tokens: int, tokenizer: Tokenizer) -> "Windows":
+        """The head of at most `tokens` tokens a deployed program scores: whole windows first; a budget below one
+        window takes the first `tokens` tokens of window 0."""
+        if tokens >= self.seq_len:
+            return self.head(min(self.n_windows, tokens // self.seq_len), self.seq_len, tokenizer)
+        return self.head(1, max(tokens, 2), tokenizer)
+
     def head(self, n_windows: int, n_tokens: int, tokenizer: Tokenizer) -> "Windows":
         """The first n_tokens of the first n_windows windows: a subset every phase can score identically."""
         from lm_eval.api.task import PerplexityTask

@@ -104,5 +104,3 @@ def llama_state_dict(sd: StateDict, params: dict) -> StateDict:
 
 LLAMA = register_family(Family("llama", ("LlamaForCausalLM",), llama_params, llama_state_dict))
 
-
-from qexp.models import gemma, qwen  # noqa: E402,F401 - registers gemma3, qwen2, qwen3

@@ -25,7 +25,7 @@ from qexp.models.static_llama import StaticLlama
 from qexp.quant.lpbq import quantize_observer_scales
 from qexp.quant.recipe import make_quantizer
 from qexp.timing import StageTimer
-from qexp.upstream.private import forget_prepared_modules
+from qexp.upstream.private_quantize import forget_prepared_modules
 
 log = logging.getLogger("qexp")
 

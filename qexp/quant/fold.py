@@ -20,27 +20,16 @@ from __future__ import annotations
 
 import torch
 
+from qexp.quant.fx_constants import constant_value
+
 _FOLDABLE = ("dequantize_per_channel", "dequantize_per_tensor", "dequantize_affine")
-
-
-def constant_value(module: torch.fx.GraphModule, arg):
-    if isinstance(arg, torch.fx.Node):
-        if arg.op != "get_attr":
-            raise ValueError("not a constant")
-        value = module
-        for part in arg.target.split("."):
-            value = getattr(value, part)
-        return value
-    if isinstance(arg, (list, tuple)):
-        return type(arg)(constant_value(module, a) for a in arg)
-    return arg
 
 
 def with_weights_dequantized(module: torch.fx.GraphModule, htp_exact_w4_lowering: str | None = None,
                              fuse_activations: bool = True, htp_exact_models: tuple | None = None):
     """A copy of `module` (its own graph; the tensors shared, not copied) with its weights' dequantize ops folded.
     With `htp_exact_w4_lowering` set, its 16-bit-activation layers first get HTP's integer arithmetic
-    (qexp.quant.htp_arithmetic, eval.htp_exact) for that 4-bit lowering (`htp_exact_models`: a subset of its
+    (qexp.quant.htp_arithmetic_pass, eval.htp_exact) for that 4-bit lowering (`htp_exact_models`: a subset of its
     models, for diagnostics; all by default). The graph is copied node by node with shallow metadata:
     `copy.deepcopy` of a SmolLM2 program's graph (3,400 nodes whose metadata hold fake tensors) took minutes."""
     import copy
@@ -51,7 +40,7 @@ def with_weights_dequantized(module: torch.fx.GraphModule, htp_exact_w4_lowering
     graph.output(output)
     folded = torch.fx.GraphModule(module, graph)
     if htp_exact_w4_lowering is not None:
-        from qexp.quant.htp_arithmetic import MODELS, model_htp_arithmetic
+        from qexp.quant.htp_arithmetic_pass import MODELS, model_htp_arithmetic
 
         models = MODELS if htp_exact_models is None else htp_exact_models
         folded.htp_counts = model_htp_arithmetic(folded, htp_exact_w4_lowering, models)

@@ -15,7 +15,7 @@ from qexp import upstream
 from qexp.config import (NO_QUANT, QDQ_ONLY_SCHEMES, SCHEMES, Granularity, ObserverConfig, ObserverKind, QuantConfig,
                          WeightRange)
 from qexp.errors import ConfigError
-from qexp.upstream.private import quantizer_keeping_hadamard_matmul
+from qexp.upstream.private_quantize import quantizer_keeping_hadamard_matmul
 
 _GRANULARITY = {
     Granularity.per_tensor: upstream.QuantGranularity.PER_TENSOR,

@@ -44,7 +44,7 @@ class SeqMse(CalibrationAlgorithm):
             raise ConfigError(f"algorithm.seq_mse.candidates={self.config.candidates}", "use at least 1 candidate")
 
     def calibrate(self, prepared, static, calibration) -> None:
-        from qexp.upstream.private import seq_mse_search
+        from qexp.upstream.private_quantize import seq_mse_search
 
         sample = calibration.samples[0]
         steps = seq_mse_search(prepared, lambda: prepared(*static.inputs(sample)), self.config.candidates)

@@ -9,7 +9,8 @@ cli: results/ output, the sweep's parent-run artifacts, main; compare_runs: two 
 from qexp.report.base import Report, ReportError
 from qexp.report.cli import RESULTS_DIR, log_to_parent, main, write
 from qexp.report.compare_runs import RunComparison, compare_runs
-from qexp.report.plots import PLOTS, pareto_front, plot
+from qexp.report.plot_figure import pareto_front
+from qexp.report.plots import PLOTS, plot
 from qexp.report.query import LEGACY_NAMES, load_runs, with_current_names
 from qexp.report.table import COLUMNS, COMPARABILITY, EXTRA_COLUMNS, build_report, formatted, resolve_columns
 

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+import pandas as pd
+
 from qexp.errors import QexpError
 from qexp.report.base import Report
 from qexp.report.plots import PLOTS, plot
@@ -63,7 +65,7 @@ def log_to_parent(experiment: str, sweep: str, paths: List[Path]) -> Optional[st
     return parents[0].info.run_id
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m qexp.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment", default="sweeps", help="MLflow experiment (default: sweeps)")
     parser.add_argument("--sweep", help="only the runs of this sweep (its tracking.sweep name)")
@@ -94,58 +96,86 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="print two runs side by side (params that differ, metrics with B-A and B/A-1) instead of "
                         "a table: run ids, unique id prefixes (>= 6 characters) or run names (within --experiment "
                         "if given, else any experiment)")
+    return parser
+
+
+def _replot(args: argparse.Namespace) -> int:
+    """--replot: a committed report whose runs are not in this store: its CSV is the whole input."""
+    from qexp.report.plots import replot
+
+    try:
+        images = replot(Path(args.out_dir) / f"{args.replot}.csv")
+    except QexpError as exc:
+        print(f"qexp.report: error: {exc}", file=sys.stderr)
+        return 2
+    print("wrote " + ", ".join(str(p) for p in images))
+    return 0
+
+
+def _compare(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
+    """--compare: one comparison on the terminal: no table, no plots."""
+    from qexp.report.compare_render import render
+    from qexp.report.compare_runs import compare_runs
+
+    parser.set_defaults(experiment=None)  # only an --experiment the user passed narrows the run names
+    try:
+        print(render(compare_runs(*args.compare, args.tracking_uri, parser.parse_args(argv).experiment)))
+    except QexpError as exc:
+        print(f"qexp.report: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _load(args: argparse.Namespace) -> pd.DataFrame:
+    """The runs to tabulate, with --speed-estimate's phone speeds if asked."""
+    runs = load_runs(args.experiment, args.sweep, args.filter, args.tracking_uri)
+    if args.speed_estimate:
+        from qexp.report.what_if import add_speed_estimates
+
+        runs = add_speed_estimates(runs, args.speed_estimate)
+    return runs
+
+
+def _tabulate(args: argparse.Namespace, runs: pd.DataFrame) -> Report:
+    """The runs -> the report: its layout, the columns --paired-vs and --windows-needed add, their notes."""
+    report = build_report(runs, args.columns.split(",") if args.columns else None, args.allow_mixed,
+                          args.pivot.split(",") if args.pivot else None)
+    if args.layout == "devices":
+        from qexp.report.devices import device_table
+
+        report.table = device_table(_derived(runs))
+        report.notes.append("One row per configuration and device. PPL (all windows): every evaluation window; "
+                            "PPL (deployed subset): the tokens the deployed phase scored, with QDQ on the same "
+                            "tokens in its CPU row. Δ vs FP on the row's own tokens. A 3-bit scheme is QDQ-only "
+                            "(deployable = false): HTP has no 3-bit weights.")
+    if (args.windows_needed or args.paired_vs) and args.layout == "devices":
+        raise ReportError("--windows-needed and --paired-vs go with the runs layout", "drop --layout devices")
+    if args.paired_vs:
+        from qexp.report.paired import add_paired
+
+        add_paired(report, _derived(runs), args.paired_vs)
+    if args.windows_needed:
+        from qexp.report.paired import add_windows_needed
+
+        add_windows_needed(report, runs, args.windows_needed / 100)
+    if args.speed_estimate:
+        from qexp.report.what_if import annotate
+
+        annotate(report, runs)
+    return report
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
-    if args.replot:  # a committed report whose runs are not in this store: its CSV is the whole input
-        from qexp.report.plots import replot
-
-        try:
-            images = replot(Path(args.out_dir) / f"{args.replot}.csv")
-        except QexpError as exc:
-            print(f"qexp.report: error: {exc}", file=sys.stderr)
-            return 2
-        print("wrote " + ", ".join(str(p) for p in images))
-        return 0
-    if args.compare:  # one comparison on the terminal: no table, no plots
-        from qexp.report.compare_runs import compare_runs, render
-
-        parser.set_defaults(experiment=None)  # only an --experiment the user passed narrows the run names
-        try:
-            print(render(compare_runs(*args.compare, args.tracking_uri, parser.parse_args(argv).experiment)))
-        except QexpError as exc:
-            print(f"qexp.report: error: {exc}", file=sys.stderr)
-            return 2
-        return 0
+    if args.replot:
+        return _replot(args)
+    if args.compare:
+        return _compare(parser, args, argv)
     command = "python -m qexp.report " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     try:
-        runs = load_runs(args.experiment, args.sweep, args.filter, args.tracking_uri)
-        if args.speed_estimate:
-            from qexp.report.what_if import add_speed_estimates
-
-            runs = add_speed_estimates(runs, args.speed_estimate)
-        report = build_report(runs, args.columns.split(",") if args.columns else None, args.allow_mixed,
-                              args.pivot.split(",") if args.pivot else None)
-        if args.layout == "devices":
-            from qexp.report.devices import device_table
-
-            report.table = device_table(_derived(runs))
-            report.notes.append("One row per configuration and device. PPL (all windows): every evaluation window; "
-                                "PPL (deployed subset): the tokens the deployed phase scored, with QDQ on the same "
-                                "tokens in its CPU row. Δ vs FP on the row's own tokens. A 3-bit scheme is QDQ-only "
-                                "(deployable = false): HTP has no 3-bit weights.")
-        if (args.windows_needed or args.paired_vs) and args.layout == "devices":
-            raise ReportError("--windows-needed and --paired-vs go with the runs layout", "drop --layout devices")
-        if args.paired_vs:
-            from qexp.report.paired import add_paired
-
-            add_paired(report, _derived(runs), args.paired_vs)
-        if args.windows_needed:
-            from qexp.report.paired import add_windows_needed
-
-            add_windows_needed(report, runs, args.windows_needed / 100)
-        if args.speed_estimate:
-            from qexp.report.what_if import annotate
-
-            annotate(report, runs)
+        runs = _load(args)
+        report = _tabulate(args, runs)
         left_out = runs.attrs.get("left_out") or {}
         if left_out:
             report.notes.append("Left out (never finished): " + ", ".join(

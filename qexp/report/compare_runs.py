@@ -4,14 +4,13 @@ The params that differ, the metrics with B-A and B/A-1, and loud flags where a d
 from different text or windows, speeds from different targets or machines. Where both runs scored the very same
 windows, the perplexity ratios get the paired 95% interval of qexp/eval/uncertainty.py, so a difference within the
 noise shows as such (`~`). Reads the store only: a dead RUNNING run is reported, not reconciled.
+
+Finding the runs: qexp/report/compare_fetch.py; the text on the terminal: qexp/report/compare_render.py.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import textwrap
-import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -19,12 +18,11 @@ import numpy as np
 import pandas as pd
 
 from qexp.eval.uncertainty import unit_interval
-from qexp.report.base import ReportError
+from qexp.report.compare_fetch import RunSummary, _client, _summary, resolve_run
 from qexp.report.paired import per_window as window_loglikelihoods
-from qexp.report.query import LEGACY_NAMES, _default_tracking_uri, with_current_names
-from qexp.report.table import COMPARABILITY, EMULATED, _delta_cell
+from qexp.report.query import LEGACY_NAMES, with_current_names
+from qexp.report.table import COMPARABILITY, EMULATED
 
-MIN_PREFIX = 6  # hex characters of a run id: 16.7 million values, ambiguous only in huge stores (then: an error)
 # Where a run is tracked or cached changes no result: the keys provenance.config_hash leaves out.
 BOOKKEEPING = ("tracking.", "cache.", "cache_dir", "verbose")
 # The headline perplexities first, in the order of a run's phases; other perplexities follow, then the rest sorted.
@@ -41,18 +39,7 @@ TIMING = re.compile(r"(_ms|_tok_s|_us_per_token)$|^time_")
 # them; its error is the model's, shared by both runs' figures.
 ESTIMATE = re.compile(r"_est(_err)?$")
 INTERVAL_SUFFIXES = ("_ci_low", "_ci_high", "_ci_units")
-WIDTH = 118  # flags and notes wrap here; the tables are as wide as their values
 VALUE_WIDTH = 44  # a param value longer than this (quant.overrides, prompts) is cut; the MLflow UI has it whole
-
-
-@dataclass
-class RunSummary:
-    run_id: str
-    name: str
-    status: str
-    started: str
-    experiment: str
-    warning: Optional[str] = None  # why this run's numbers may be incomplete (not FINISHED, deleted)
 
 
 @dataclass
@@ -77,94 +64,6 @@ class RunComparison:
     not_comparable: Optional[str] = None  # e.g. "window count 3 vs 4"
     timing_differs: Optional[str] = None  # e.g. "target x86_emulator vs cpu"
     notes: List[str] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------- finding the runs
-def _client(tracking_uri: Optional[str]):
-    import mlflow
-
-    uri = tracking_uri or _default_tracking_uri()
-    local = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
-    if local is not None and not os.path.exists(local):  # MLflow would create an empty store and find nothing
-        raise ReportError(f"no MLflow store at {local}", "pass --tracking-uri (or set MLFLOW_TRACKING_URI)")
-    mlflow.set_tracking_uri(uri)  # paired.per_window reads artifacts through the global URI, as the report does
-    return mlflow.tracking.MlflowClient(uri)
-
-
-def _experiment_ids(client, experiment: Optional[str]) -> List[str]:
-    """Where run names are looked up: the --experiment the user named, else every experiment."""
-    if experiment is None:
-        return [e.experiment_id for e in client.search_experiments()]
-    found = client.get_experiment_by_name(experiment)
-    if found is None:
-        raise ReportError(f"no MLflow experiment {experiment!r} in {client.tracking_uri}",
-                          "check --experiment (see `make ui`) or --tracking-uri")
-    return [found.experiment_id]
-
-
-def _quoted(value: str) -> str:
-    if "'" not in value:
-        return f"'{value}'"
-    if '"' not in value:
-        return f'"{value}"'
-    raise ReportError(f"run name {value!r} holds both quote characters", "pass its run id instead")
-
-
-def _candidates(client, ref: str, name_experiments: List[str]) -> Dict[str, object]:
-    """Runs whose id starts with `ref` (>= MIN_PREFIX hex characters) or whose name is exactly `ref`."""
-    from mlflow.entities import ViewType
-
-    found: Dict[str, object] = {}
-    if len(ref) >= MIN_PREFIX and re.fullmatch(r"[0-9a-f]+", ref):
-        every = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
-        for run in client.search_runs(every, f"attributes.run_id LIKE '{ref}%'", ViewType.ALL, max_results=10):
-            found[run.info.run_id] = run
-    if name_experiments:
-        for run in client.search_runs(name_experiments, f"attributes.run_name = {_quoted(ref)}", max_results=10):
-            found[run.info.run_id] = run
-    return found
-
-
-def resolve_run(client, ref: str, experiment: Optional[str] = None):
-    """A run by id, unique id prefix, or exact name (within `experiment` if given); ReportError otherwise."""
-    from mlflow.exceptions import MlflowException
-
-    name_experiments = _experiment_ids(client, experiment)  # a misspelt --experiment is an error, whatever the refs
-    try:
-        return client.get_run(ref)
-    except MlflowException:
-        pass  # not a whole run id: try it as a prefix or a name
-    found = _candidates(client, ref, name_experiments)
-    if len(found) == 1:
-        return next(iter(found.values()))
-    where = f"experiment {experiment!r}" if experiment else "any experiment"
-    if not found:
-        raise ReportError(f"no run {ref!r}: not a run id, a run-id prefix (>= {MIN_PREFIX} characters) or a run "
-                          f"name in {where}", "copy the id from the MLflow UI (`make ui`)")
-    listed = ", ".join(f"{run.info.run_id[:8]} ({run.info.run_name}, {_started(run)})" for run in found.values())
-    raise ReportError(f"{ref!r} is ambiguous, it matches runs {listed}", "pass one of the ids")
-
-
-def _started(run) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.info.start_time / 1000))
-
-
-def _summary(client, run) -> RunSummary:
-    from qexp.tracking.liveness import KILLED_TAG, death_reason
-
-    info, tags = run.info, run.data.tags
-    warning = None
-    if info.status == "RUNNING":
-        dead = death_reason(tags)
-        warning = "RUNNING: " + (f"its process is dead ({dead})" if dead else "still running") + \
-            ", its metrics may be incomplete"
-    elif info.status != "FINISHED":
-        why = tags.get("error") or tags.get(KILLED_TAG) or "no reason recorded"
-        warning = f"{info.status}: {why[:100]}; its metrics are incomplete"
-    if info.lifecycle_stage == "deleted":
-        warning = "DELETED run" + (f"; {warning}" if warning else "")
-    return RunSummary(info.run_id, info.run_name or "-", info.status, _started(run),
-                      client.get_experiment(info.experiment_id).name, warning)
 
 
 # ---------------------------------------------------------------- the two runs as one frame
@@ -325,56 +224,3 @@ def compare_runs(run_a: str, run_b: str, tracking_uri: Optional[str] = None,
         notes.append(_add_paired_intervals(frame, rows, [run.info.run_id for run in runs]))
     return RunComparison(_summary(client, runs[0]), _summary(client, runs[1]), params_differ, params_equal, rows,
                          equal, not_comparable, timing, notes)
-
-
-# ---------------------------------------------------------------- text
-def _number(value: float, sign: str = "", digits: int = 6) -> str:
-    return "-" if np.isnan(value) else f"{value:{sign}.{digits}g}"
-
-
-def _cells(row: MetricRow) -> List[str]:
-    """metric, A, B, B-A, B/A-1, flag. A relative metric is in %, its B-A in percentage points, no B/A-1."""
-    difference = row.b - row.a
-    if RELATIVE.match(row.name):
-        a, b = _delta_cell(row.a, *row.a_interval), _delta_cell(row.b, *row.b_interval)
-        return [row.name, a, b, "-" if np.isnan(difference) else f"{100 * difference:+.2f} pp", "", row.flag]
-    ratio = row.b / row.a - 1 if row.a and not np.isnan(row.a) else np.nan
-    return [row.name, _number(row.a), _number(row.b), _number(difference, "+", 4), _delta_cell(ratio, *row.paired),
-            row.flag]
-
-
-def _aligned(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> List[str]:
-    """The first column left-aligned, the others right-aligned, two spaces apart."""
-    widths = [max(len(str(cells[i])) for cells in [header, *rows]) for i in range(len(header))]
-    line = lambda cells: indent + "  ".join(  # noqa: E731
-        str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    return [line(cells).rstrip() for cells in [header, *rows]]
-
-
-def _run_lines(label: str, run: RunSummary) -> List[str]:
-    lines = [f"{label}  {run.run_id}  {run.name}  {run.status}  {run.started}  (experiment {run.experiment})"]
-    return lines + ([f"   ! {run.warning}"] if run.warning else [])
-
-
-def _wrapped(text: str) -> List[str]:
-    return textwrap.wrap(text, WIDTH, subsequent_indent="  ", break_on_hyphens=False)
-
-
-def render(comparison: RunComparison) -> str:
-    c = comparison
-    lines = _run_lines("A", c.a) + _run_lines("B", c.b)
-    if c.not_comparable:
-        lines += _wrapped(f"NOT COMPARABLE: different text/window length/window count/CPU ({c.not_comparable}): "
-                          "the differences of what was measured on the windows mean nothing")
-    if c.timing_differs:
-        lines += _wrapped(f"TIMINGS NOT COMPARABLE: {c.timing_differs}")
-    lines += ["", f"params that differ ({len(c.params_differ)}; {c.params_equal} equal; tracking/cache params "
-                  "ignored):"]
-    lines += _aligned(["param", "A", "B"], c.params_differ) if c.params_differ else ["  (none)"]
-    lines += ["", "metrics:"]
-    lines += _aligned(["metric", "A", "B", "B-A", "B/A-1", ""], [_cells(row) for row in c.metrics])
-    if c.metrics_equal:
-        lines += [f"equal in both: {', '.join(c.metrics_equal)}"]
-    for note in c.notes:
-        lines += [""] + _wrapped(note)
-    return "\n".join(lines)

@@ -14,12 +14,13 @@ How they stay legible:
 
 replot() redraws a committed report's plots from its CSV (and, for CSVs older than the text/window columns, the
 perplexity note of its .md), for reports whose MLflow runs are not in this machine's store.
+
+Drawing one figure (scales, fronts, markers, notes, legend, caption): qexp/report/plot_figure.py.
 """
 
 from __future__ import annotations
 
 import re
-import textwrap
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -27,38 +28,19 @@ import numpy as np
 import pandas as pd
 
 from qexp.report.base import Report, ReportError
+from qexp.report.plot_figure import _figure
 from qexp.report.query import LEGACY_NAMES
 from qexp.report.table import EMULATED
 
 PLOTS = ("ppl_vs_size", "ppl_vs_speed")
 COLLAPSE_FACTOR = 10.0  # > 10x the median perplexity: the configuration broke, its value is not a trade-off
-LOG_SPAN = 20.0  # an axis goes log only when its points span more than this factor
 # text: the evaluation text, where a mixed report (--allow-mixed) holds several; calibration.text_source: domain shift
 LABEL_PARTS = ("model", "scheme", "observer", "algorithm", "model_mode", "target", "text",
                "params.calibration.text_source")
-COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-           "#17becf")
-MARKERS = ("o", "s", "D", "v", "P", "X", "*", "h", "p")  # no "^": it marks collapsed points; 9 vs 10 colours: 90 pairs
-FRONT_STYLES = ("--", ":", "-.", (0, (6, 2, 1, 2)))
-SAME_SPOT_PT = 5  # markers ~8 pt across: centres closer than this hide each other; one marker, one entry
-NOTE_ROW_PT = 12  # one collapsed point's note per row, this far apart (8 pt text)
 EVAL_COLUMNS = ("text", "n_windows", "window_len")
 # older CSVs name the deployed phase by its backend (ppl_htp, ppl_xnnpack, htp_eval_tokens): today's column <- those
 LEGACY_CSV_COLUMNS = [(new.split(".", 1)[1], old.split(".", 1)[1]) for new, old in LEGACY_NAMES.items()
                       if new.startswith("metrics.")] + [("ppl_deployed", "ppl_xnnpack")]
-
-
-def pareto_front(x: np.ndarray, y: np.ndarray, larger_x_better: bool = True) -> np.ndarray:
-    """Indices of the points no other point beats on both axes, ordered by x; smaller y is always better."""
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    best_x_first = -x if larger_x_better else x
-    front, best_y = [], np.inf
-    for i in np.lexsort((y, best_x_first)):  # ties in x: the smaller y first, the other is dominated
-        if y[i] < best_y:
-            front.append(i)
-            best_y = y[i]
-    front = np.array(front, dtype=int)
-    return front[np.argsort(x[front], kind="stable")]
 
 
 def collapsed(ppl: np.ndarray) -> np.ndarray:
@@ -106,118 +88,6 @@ def _points(data: pd.DataFrame, x_name: str, group: str = "target") -> Tuple[pd.
                            "target": shown[group if group in shown else "target"] if "target" in shown else "?"})
     points["collapsed"] = collapsed(points["y"])
     return points.reset_index(drop=True), shared
-
-
-def _span_is_wide(values: pd.Series) -> bool:
-    return values.max() / values.min() > LOG_SPAN if values.min() > 0 else False
-
-
-def _y_limits(ax, kept: pd.Series, n_notes: int, log: bool) -> Tuple[float, float]:
-    """Kept points from just above the bottom to below NOTE_ROW_PT-rows of headroom for the collapsed notes."""
-    forward, back = (np.log10, lambda v: 10 ** v) if log else (lambda v: v, lambda v: v)
-    low, high = forward(kept.min()), forward(kept.max())
-    span = (high - low) or max(abs(high) * 0.1, 0.1)
-    bottom = low - 0.06 * span
-    axes_height_pt = ax.get_position().height * ax.figure.get_figheight() * 72
-    headroom = min((NOTE_ROW_PT * n_notes + 14) / axes_height_pt, 0.6)  # fraction of the axis above the top point
-    top = high + (high - bottom) * headroom / (1 - headroom)
-    return back(bottom), back(top)
-
-
-def _front_members(points: pd.DataFrame, larger_x_better: bool) -> set:
-    """Indices (into points) on the Pareto front of their target, collapsed points left out."""
-    members = set()
-    for _, mine in points[~points["collapsed"]].groupby("target"):
-        members.update(mine.index[pareto_front(mine["x"], mine["y"], larger_x_better)])
-    return members
-
-
-def _draw_fronts(ax, points: pd.DataFrame, members: set) -> None:
-    on_front = points.loc[sorted(members)]
-    for style, (target, mine) in zip(FRONT_STYLES * 8, on_front.groupby("target")):
-        if len(mine) > 1:  # a one-point front is its filled marker
-            mine = mine.sort_values("x")
-            named = str(target).startswith(("estimate", "what-if", "measured", "x86"))  # a speed source, named
-            ax.plot(mine["x"], mine["y"], linestyle=style, color="0.35", linewidth=1.1, zorder=2,
-                    label=f"Pareto front, {target}" if named else f"Pareto front, target {target}")
-
-
-def _same_spot(ax, points: pd.DataFrame) -> List[List[int]]:
-    """Points (in order) whose markers would overlap, centres closer than SAME_SPOT_PT: identical points too."""
-    y = np.where(points["collapsed"], ax.get_ylim()[1], points["y"])
-    spots = ax.transData.transform(np.column_stack([points["x"], y])) * 72 / ax.figure.dpi
-    groups: List[List[int]] = []
-    for i, spot in enumerate(spots):
-        near = [g for g in groups if np.hypot(*(spots[g[0]] - spot)) < SAME_SPOT_PT]
-        if near:
-            near[0].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
-def _draw_points(ax, points: pd.DataFrame, members: set) -> None:
-    """One marker and legend entry per spot; collapsed ones on the top edge with their value written under it."""
-    notes = 0
-    for i, group in enumerate(_same_spot(ax, points)):
-        first, colour = points.loc[group[0]], COLOURS[i % len(COLOURS)]
-        label = "\n".join(f"{row.label} (ppl {row.y:.4g})" for row in points.loc[group].itertuples())
-        filled = bool(members & set(group))
-        style = dict(s=60, linewidths=1.5, edgecolors=colour, zorder=3,
-                     facecolors=(*_rgb(colour), 0.45) if filled else "none")
-        if not first["collapsed"]:
-            ax.scatter([first["x"]], [first["y"]], marker=MARKERS[i % len(MARKERS)], label=label, **style)
-            continue
-        ax.scatter([first["x"]], [1.0], marker="^", transform=ax.get_xaxis_transform(), clip_on=False,
-                   label=label + ", off scale", **style)
-        notes += 1
-        right_half = ax.transAxes.inverted().transform(ax.transData.transform((first["x"], 1.0)))[0] > 0.6
-        ax.annotate("▲ " + label, xy=(first["x"], 1.0), xycoords=("data", "axes fraction"),
-                    xytext=(-6 if right_half else 6, -NOTE_ROW_PT * notes), textcoords="offset points",
-                    ha="right" if right_half else "left", va="center", fontsize=8, color=colour)
-
-
-def _keep_notes_inside(ax) -> None:
-    """Shift each collapsed note (the axes' only texts so far) sideways into the axes: a long one near the middle
-    would otherwise run into the legend."""
-    renderer = ax.figure.canvas.get_renderer()
-    frame = ax.get_window_extent(renderer)
-    for note in ax.texts:
-        box = note.get_window_extent(renderer)
-        shift_px = min(frame.x1 - box.x1, 0) or max(frame.x0 - box.x0, 0)
-        note.xyann = (note.xyann[0] + shift_px * 72 / ax.figure.dpi, note.xyann[1])
-
-
-def _rgb(colour: str) -> Tuple[float, float, float]:
-    return tuple(int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5))
-
-
-def _figure(points: pd.DataFrame, shared: str, larger_x_better: bool, xlabel: str, title: str, caption: str):
-    """The scatter, fronts, collapsed notes, legend beside the axes and caption under them."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    fig.subplots_adjust(left=0.12, right=0.97, top=0.9, bottom=0.2)  # fixed: _y_limits measures the axes
-    kept = points.loc[~points["collapsed"], "y"]
-    log_x, log_y = _span_is_wide(points["x"]), _span_is_wide(kept)
-    ax.set_xscale("log" if log_x else "linear")
-    ax.set_yscale("log" if log_y else "linear")
-    ax.set_ylim(*_y_limits(ax, kept, int(points["collapsed"].sum()), log_y))
-    ax.scatter(points["x"], np.full(len(points), kept.min()), alpha=0)  # x limits from every point, collapsed too
-    ax.set_xlim(*ax.get_xlim())  # fixed before the notes pick their side
-    members = _front_members(points, larger_x_better)
-    _draw_points(ax, points, members)
-    _draw_fronts(ax, points, members)
-    _keep_notes_inside(ax)
-    ax.set_xlabel(xlabel + (" (log scale)" if log_x else ""))
-    ax.set_ylabel("perplexity, token-level" + (" (log scale)" if log_y else ""))
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False,
-              title=f"all: {shared}" if shared else None, title_fontsize=8, alignment="left")
-    ax.annotate(textwrap.fill(caption, 105), xy=(0, 0), xycoords=("axes fraction", ax.xaxis.label),
-                xytext=(-40, -10), textcoords="offset points", va="top", ha="left", fontsize=7.5, color="0.25")
-    return fig
 
 
 def _eval_setting(data: pd.DataFrame) -> str:

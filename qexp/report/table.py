@@ -88,7 +88,7 @@ def _derived(runs: pd.DataFrame) -> pd.DataFrame:
     # fake_quant (float, what the QDQ program computes) or htp_exact (eval.htp_exact: HTP's arithmetic); an
     # htp_exact run computed by an older model than this code's says which (runs from before 16-bit RMSNorms were
     # floored carry no tag: they modelled the convolutions only)
-    from qexp.quant.htp_arithmetic import MODELLED_OPS
+    from qexp.quant.htp_arithmetic_pass import MODELLED_OPS
 
     arithmetic = column(runs, "tags.qdq_arithmetic").fillna("fake_quant")
     modelled = column(runs, "tags.htp_exact_model").fillna("conv_accumulator_floor")

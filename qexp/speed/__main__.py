@@ -21,6 +21,8 @@ def compose(overrides: List[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+
     if not any(o.startswith(("backend=", "+backend=")) for o in overrides):
         overrides = ["backend=htp", *overrides]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

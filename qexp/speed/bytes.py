@@ -93,7 +93,7 @@ def weight_bytes(out: int, cols: int, grid) -> float:
 
 def kv_bits(quant) -> int:
     """Bits of the KV caches: 8 with upstream's annotate_kv_8bit, else the scheme's activation bits."""
-    from qexp.backends.htp import KV_8BIT_ANNOTATION
+    from qexp.config import KV_8BIT_ANNOTATION
 
     if KV_8BIT_ANNOTATION in list(quant.custom_annotations):
         return 8

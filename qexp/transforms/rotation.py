@@ -1,5 +1,5 @@
 """Rotations R1 (residual stream) and R2 (per attention head), QuaRot / SpinQuant without training, fused into the
-weights; torchao's SpinQuant code does the fusing (qexp/upstream/private.py: `spinquant_rotate`).
+weights; torchao's SpinQuant code does the fusing (qexp/upstream/private_quantize.py: `spinquant_rotate`).
 
 R1: the norms' weights are folded into the linears that read them, then every weight that writes the residual
 stream is multiplied by a random Hadamard matrix Q (and every weight that reads it by Q^T): embeddings, o/down
@@ -50,7 +50,7 @@ class Rotation(ModelTransform):
                               "use algorithm.rotation.r1=false (R2 alone preserves its function)")
         from qexp import upstream
         from qexp.models.static_llama import model_args
-        from qexp.upstream.private import spinquant_rotate
+        from qexp.upstream.private_quantize import spinquant_rotate
 
         # ExecuTorch's Llama module before its linear -> conv conversion has the gpt-fast names torchao expects
         args = model_args(model, context.cfg.export.max_context_len, context.cfg.export.max_context_len, r3=False)

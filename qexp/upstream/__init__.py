@@ -1,6 +1,7 @@
 """The one place qexp imports ExecuTorch's Qualcomm LLM example code (static llama, recipes, masks).
 
-Private upstream APIs (underscored names, `_passes`, monkeypatches) are wrapped in qexp/upstream/private.py.
+Private upstream APIs (underscored names, `_passes`, monkeypatches) are wrapped in qexp/upstream/private.py
+(lowering, export), private_quantize.py and private_runtime.py.
 
 That code lives in `executorch.examples.qualcomm.oss_scripts.llama`, whose package __init__ imports every
 registered model's weight converter. Two of those import `torchtune`, and torchtune 0.6.1 does not import with
@@ -58,7 +59,7 @@ def prepare_import() -> None:
     warnings.filterwarnings("ignore", message=".*is an Enum subclass.*")
     logging.getLogger("torchao").setLevel(logging.ERROR)
     _install_torchtune_import_shim()
-    from qexp.upstream.private import speed_up_prepare
+    from qexp.upstream.private_quantize import speed_up_prepare
 
     speed_up_prepare()
 

@@ -11,6 +11,7 @@ import math
 from qexp.backends.base import Backend, PhaseInputs, PhaseResult
 from qexp.backends.htp.config import HtpConfig, ModelMode
 from qexp.backends.registry import register_backend
+from qexp.config import KV_8BIT_ANNOTATION
 from qexp.errors import ConfigError
 
 log = logging.getLogger("qexp")
@@ -94,7 +95,6 @@ def htp_exact_hint(qdq_arithmetic, metrics: dict):
             f"the convolutions' accumulator; docs/htp-arithmetic.md)")
 
 
-KV_8BIT_ANNOTATION = "annotate_kv_8bit"
 
 
 def _warn_without_speed_figures(soc: str) -> None:

@@ -169,7 +169,6 @@ def android_target(cfg, model, cache, adb=None) -> AndroidTarget:
 
 def run_on_device(inputs, program, device: AndroidTarget, result):
     """The emulator path's metrics, measured by the phone's qnn_llama_runner (target=android)."""
-    from qexp.backends.htp.phase import eval_subset
     from qexp.eval.perplexity import evaluate
 
     cfg, windows, timer = inputs.cfg, inputs.windows, inputs.timer
@@ -178,7 +177,7 @@ def run_on_device(inputs, program, device: AndroidTarget, result):
     first = next(iter(program.meta["encodings"].values()))
     scale, zero_point = first["logits"]
     vocab = inputs.model.params["vocab_size"]
-    subset = eval_subset(windows, cfg.backend.eval_tokens, inputs.model.tokenizer)
+    subset = windows.within_budget(cfg.backend.eval_tokens, inputs.model.tokenizer)
     with timer.stage("eval_deployed"):
         result.deployed = evaluate(lambda ids: device.logits(ids, vocab, scale, zero_point), subset, "HTP")
     result.tags.update({"deployed_eval_path": "device_kv",

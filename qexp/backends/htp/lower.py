@@ -44,7 +44,6 @@ from qexp.quant.w4_lowering import W4Lowering
 from qexp.timing import StageTimer, release_memory
 from qexp.upstream.private import (
     executorch_backend_config,
-    forget_prepared_modules,
     lazy_graph_module_recompile,
     lower_4bit_per_channel_as_lpbq,
     provenance_without_deep_copies,
@@ -52,6 +51,7 @@ from qexp.upstream.private import (
     quant_io_passes,
     tree_leaves,
 )
+from qexp.upstream.private_quantize import forget_prepared_modules
 
 log = logging.getLogger("qexp")
 
@@ -60,8 +60,6 @@ PREFILL_GRAPH = "prefill_forward"
 PTE_FILE = "model.pte"
 META_FILE = "meta.json"
 _LOWER_CACHE_VERSION = 2  # 2: I/O bit widths from the encodings
-# what a built graph leaves once lowered (small, picklable)
-GRAPH_INFO = ("meta", "encodings", "quantize_s", "ddr", "sim")
 LAYER_PATTERN = r"^layers\.(\d+)"  # the static llama's decoder layers (module names), where shards are cut
 
 

@@ -107,10 +107,12 @@ def lower_in_turn(graphs: Dict[str, Builder], lower_one: Callable[[Dict[str, dic
     return programs, infos
 
 
-def graph_info(graph: dict) -> dict:
-    """What the program's assembly and meta.json need of a graph once it is lowered (lower.GRAPH_INFO)."""
-    from qexp.backends.htp.lower import GRAPH_INFO
+# what a built graph leaves once lowered (small, picklable): what the program's assembly and meta.json need of it
+GRAPH_INFO = ("meta", "encodings", "quantize_s", "ddr", "sim")
 
+
+def graph_info(graph: dict) -> dict:
+    """What the program's assembly and meta.json need of a graph once it is lowered (GRAPH_INFO)."""
     return {key: graph[key] for key in GRAPH_INFO if key in graph}
 
 

@@ -40,13 +40,6 @@ def load_program(path: str) -> DeployedProgram:
     return DeployedProgram(pte, json.loads(meta_path.read_text()), key=PRE_GENERATED, cache_hit=True)
 
 
-def eval_subset(windows: Windows, tokens: int, tokenizer) -> Windows:
-    """Whole windows first; a budget below one window takes the first `tokens` tokens of window 0."""
-    if tokens >= windows.seq_len:
-        return windows.head(min(windows.n_windows, tokens // windows.seq_len), windows.seq_len, tokenizer)
-    return windows.head(1, max(tokens, 2), tokenizer)
-
-
 def run_phase(inputs: PhaseInputs, adb=None) -> PhaseResult:
     cfg, timer = inputs.cfg, inputs.timer
     backend = cfg.backend
@@ -155,7 +148,7 @@ def score_on_emulator(program: DeployedProgram, runner, windows: Windows, backen
     else:
         path, reason, budget = "kv", "model_mode=kv compiles no AR-N graph", backend.eval_kv_tokens
         logits_fn = lambda ids: runner.kv_logits(ids, backend.kv_update.value)[0]  # noqa: E731
-    subset = eval_subset(windows, budget, tokenizer)
+    subset = windows.within_budget(budget, tokenizer)
     key = deployed_eval_key(program, subset, path, backend.kv_update.value)
     if key is None:  # a user's .pte (backend.pte_path): not content-addressed, evaluated every time
         return evaluate(logits_fn, subset, "HTP"), path, reason, False

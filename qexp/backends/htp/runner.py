@@ -23,7 +23,7 @@ from qexp.backends.htp.kv_cache import UPDATERS, UpdateStats
 from qexp.backends.htp.lookahead import LookaheadLayout, lookahead_decode
 from qexp.backends.htp.lower import KV_GRAPH, PREFILL_GRAPH, DeployedProgram
 from qexp.backends.speed import Generation, measure
-from qexp.upstream.private import load_program
+from qexp.upstream.private_runtime import load_program
 
 log = logging.getLogger("qexp")
 

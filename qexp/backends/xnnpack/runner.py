@@ -10,7 +10,7 @@ import torch
 
 from qexp.backends.speed import Generation
 from qexp.backends.xnnpack.export import XnnpackProgram
-from qexp.upstream.private import load_program, set_runtime_threads
+from qexp.upstream.private_runtime import load_program, set_runtime_threads
 
 
 def load_runtime_ops() -> None:

@@ -1,0 +1,123 @@
+"""The private torchao / ExecuTorch APIs qexp reaches into to quantize models, in one place.
+
+Each function here wraps a name with a leading underscore (or a private module such as `_passes`) that upstream may
+change without notice; the comment says why qexp needs it. When a version bump breaks one, the qexp/upstream/private*.py
+modules are the only files to fix: private.py (lowering and exporting programs), private_quantize.py (quantizing:
+torchao's prepare, SpinQuant, SeqMSE, QNN's quantizer) and private_runtime.py (running and inspecting .pte programs).
+Public upstream names are re-exported by qexp/upstream/__init__.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+# ---------------------------------------------------------------- torchao
+def forget_prepared_modules() -> None:
+    """torchao 0.18's `prepare_pt2e` looks up a module's device through `torchao.utils._assert_and_get_unique_device`,
+    a `functools.cache` keyed by the module: every prepared graph, weights included, stayed alive for the life of the
+    process (convert_pt2e calls it too). A sweep's process grew by ~1.5 GB per SmolLM2 job (16 GB after 10 jobs). qexp
+    clears it after each prepare and convert; the cached value is only needed during that call."""
+    import torch.ao.quantization.fx.utils
+    import torchao.utils
+
+    # torch's own copy (torch.ao.quantization.fx.utils.assert_and_get_unique_device) is cached the same way
+    for cached in (getattr(torchao.utils, "_assert_and_get_unique_device", None),
+                   getattr(torch.ao.quantization.fx.utils, "assert_and_get_unique_device", None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+
+
+def _shallow_observer_kwargs(quant_spec):
+    """torchao's prepare builds observer kwargs with `deepcopy(asdict(spec))`, copying also the observer constructor
+    it then discards. QNN's constructors reach an fx graph, so every call deep-copied the whole graph: 38 of 59 s of
+    prepare_pt2e on SmolLM2. The other fields are immutable (dtype, ints, qscheme, floats): a field dict is the
+    same kwargs."""
+    return {f.name: getattr(quant_spec, f.name) for f in dataclasses.fields(quant_spec)}
+
+
+def speed_up_prepare() -> None:
+    """Replace torchao's private `prepare._get_observer_kwargs` with the shallow version above (same result)."""
+    from torchao.quantization.pt2e import prepare
+
+    prepare._get_observer_kwargs = _shallow_observer_kwargs
+
+
+def spinquant_rotate(module, r1: bool, r2: bool, seed: int) -> None:
+    """R1 / R2 rotations of torchao's SpinQuant (prototype.spinquant) on ExecuTorch's Meta-named Llama module, in
+    place, without the embedding mean-centring and with seeded Hadamard signs.
+
+    Private reach: torchao's public `apply_spinquant` centres the embeddings (function-changing for RMSNorm models)
+    and fixes the Hadamard seed at 0, so the fusing and rotating steps are called directly (`_rotate_model_r1/_r2`).
+    Tested by tests/test_algorithms.py (float logits unchanged after rotation), which fails if these change.
+    """
+    import contextlib
+    import io
+    import types
+
+    import torch
+    from torchao.prototype.spinquant import spinquant as sq
+    from torchao.prototype.spinquant.hadamard_utils import random_hadamard_matrix
+
+    params = module.layers[0].attention
+    dim = module.tok_embeddings.weight.shape[1]
+    module.config = types.SimpleNamespace(dim=dim, head_dim=params.head_dim, n_local_heads=params.n_kv_heads,
+                                          intermediate_size=module.layers[0].feed_forward.w1.weight.shape[0])
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):  # torchao prints a note on its slow Hadamard
+        if r1:
+            embedding = module.tok_embeddings.weight.data.clone()
+            sq.fuse_layernorm_into_linear(module, qkv_split=True)
+            module.tok_embeddings.weight.data = embedding  # undo the centring
+            sq._rotate_model_r1(module, random_hadamard_matrix(dim, "cpu", seed=seed), qkv_split=True)
+        if r2:
+            r2s = [random_hadamard_matrix(module.config.head_dim, "cpu", seed=seed + 1 + i)
+                   for i in range(len(module.layers))]
+            sq._rotate_model_r2(module, r2s, qkv_split=True)
+    del module.config
+
+
+# ---------------------------------------------------------------- ExecuTorch Qualcomm: passes
+def quantizer_keeping_hadamard_matmul(qnn_quantizer_cls):
+    """A QnnQuantizer subclass that leaves the R3 Hadamard rotation a plain matmul.
+
+    Upstream's HTP annotation passes (private `_passes`) include RecomposeHadamard, which (QNN >= 2.47) turns the
+    rotation into QNN's HadamardTransform op. With the QNN 2.49 x86 libraries, HTP graph preparation cannot build
+    the q-side one in an AR-N prefill graph (`could not create op: q::ConvLayer_s1.opt`), and the op accepts only
+    16-bit activations. Without the pass the rotation stays a matmul with the same weights: same math, buildable.
+    """
+    from executorch.backends.qualcomm._passes import RecomposeHadamard
+    from executorch.backends.qualcomm._passes.backends.htp.qnn_htp_pass_manager import QnnHtpPassManager
+
+    class PassesWithoutHadamardRecompose(QnnHtpPassManager):
+        @classmethod
+        def get_annotation_passes(cls):
+            return [p for p in super().get_annotation_passes() if p is not RecomposeHadamard]
+
+    class QnnQuantizerKeepingHadamardMatmul(qnn_quantizer_cls):
+        def transform_for_annotation(self, model):
+            return PassesWithoutHadamardRecompose().transform_for_annotation_pipeline(model)
+
+    return QnnQuantizerKeepingHadamardMatmul
+
+
+def seq_mse_search(prepared, forward, candidates: int):
+    """Run ExecuTorch's SeqMSE on `prepared` for one `forward()`; returns [(weight observer, best scale factor)] and
+    leaves the observers unpatched (qexp bakes the factor into their range: qexp/quant/seq_mse.py).
+
+    Private reach: `executorch.backends.qualcomm._passes` (SeqMSE, SeqMseModule) and the method SeqMSE patches onto
+    each observer. Tested by tests/test_algorithms.py (the searched scales reach the QDQ program), which fails if
+    the pass changes how it reports its result.
+    """
+    from executorch.backends.qualcomm._passes import SeqMSE
+    from executorch.backends.qualcomm._passes.seq_mse import SeqMseModule
+
+    with SeqMSE(prepared, candidates):
+        forward()
+    found = []
+    for name, module in list(prepared.named_children()):
+        if isinstance(module, SeqMseModule):
+            observer = module.observer
+            observer.__dict__.pop("calculate_qparams", None)  # the instance patch RemoveSeqMse added
+            found.append((observer, float(module.best_candidate_step)))
+            delattr(prepared, name)  # it holds a copy of the weight
+    return found
