@@ -39,7 +39,8 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
     import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
-    from qexp.backends.htp.lower import PREFILL_GRAPH, compile_pte, quantized_graph
+    from qexp.backends.htp.graph import quantized_graph
+    from qexp.backends.htp.lower import PREFILL_GRAPH, compile_pte
     from qexp.backends.htp.runner import HtpRunner
     from qexp.pipeline import prepare
     from qexp.provenance import library_versions

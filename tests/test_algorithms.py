@@ -304,7 +304,7 @@ def test_rotation_keeps_the_float_function(compose):
 
 # ------------------------------------------------------------------ SeqMSE (ExecuTorch's pass)
 def test_seq_mse_scales_reach_the_program_and_the_deploy_graphs(compose):
-    from qexp.backends.htp.lower import quantized_graph
+    from qexp.backends.htp.graph import quantized_graph
 
     plain = prepare(compose(TINY + ["quant=16a4w"]), through="qdq")
     searched = prepare(compose(TINY + ["quant=16a4w", "+algorithm.seq_mse={candidates: 20}"]), through="qdq")

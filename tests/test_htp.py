@@ -137,7 +137,7 @@ def test_graphs_lowered_in_turn_give_the_parallel_program_from_its_cache_entry(d
 
 def test_float_originals_left_out_before_lowering_give_the_same_program(deployed, tiny_model, tmp_path, monkeypatch):
     """convert_pt2e leaves each weight's float original on the converted module beside the integer constant the graph
-    reads; lower.drop_unused_attributes deletes them before lowering (the parent's and the workers' memory). The
+    reads; graph.drop_unused_attributes deletes them before lowering (the parent's and the workers' memory). The
     program is the one lowered with them kept: the same size and bit-identical emulator outputs. (Two lowerings of
     one graph never give identical bytes: QNN's context binary differs in ~2k scattered bytes each time.)"""
     import qexp.backends.htp.lower as lower
@@ -420,7 +420,7 @@ def test_kv_caches_of_mixed_bit_widths_are_refused_before_any_work(compose):
 def test_the_lowering_checks_the_cache_widths_in_the_graph_itself(compose):
     """What validation predicts, the deploy graph confirms: the same mixed program (built here without the HTP
     backend's validation) is refused by the lowering's own check, and a uniform one passes it."""
-    from qexp.backends.htp.lower import check_one_kv_cache_width, quantized_graph
+    from qexp.backends.htp.graph import check_one_kv_cache_width, quantized_graph
     from qexp.errors import ConfigError
     from qexp.pipeline import prepare
 

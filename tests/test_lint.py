@@ -97,3 +97,25 @@ def test_no_import_cycles():
             visit(module)
     assert not cycles, "modules that import each other (directly or through others): " + "; ".join(
         " <-> ".join(c) for c in cycles)
+
+
+MODULE_MAX_LINES, FUNCTION_MAX_LINES = 350, 80
+
+
+def test_modules_and_functions_stay_small():
+    """Every qexp module fits in one sitting (at most 350 lines) and every function on a screen or two (80)."""
+    import ast
+
+    too_long = []
+    for path in sorted((REPO / "qexp").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        name = path.relative_to(REPO).as_posix()
+        if len(text.splitlines()) > MODULE_MAX_LINES:
+            too_long.append(f"{name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > FUNCTION_MAX_LINES:
+                    too_long.append(f"{name}: {node.name}() {length} lines")
+    assert not too_long, (f"over {MODULE_MAX_LINES} lines a module or {FUNCTION_MAX_LINES} a function (split it "
+                          f"where a reader expects a seam): " + "; ".join(too_long))

@@ -72,7 +72,7 @@ def block_scales_of_program(state) -> dict:
 
 @pytest.mark.parametrize("rounding", ["nearest", "up"])
 def test_the_qdq_program_and_the_deploy_graphs_use_representable_block_scales(compose, rounding):
-    from qexp.backends.htp.lower import quantized_graph
+    from qexp.backends.htp.graph import quantized_graph
 
     state = prepare(compose(TINY + ["quant=16a4w_block", "quant.block_size=16",
                                     f"quant.block_scale_rounding={rounding}"]), through="qdq")
