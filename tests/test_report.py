@@ -109,6 +109,10 @@ def test_report_shows_the_htp_estimate_labelled_beside_measured_speed():
     fronts = {line.get_label() for line in fig.axes[0].get_lines()}
     assert not any("target" in label for label in fronts)
     assert fig.axes[0].get_xlabel().startswith("decode speed (tokens/s)")
+    # two estimate versions in one report: each row names its version, so they are not one axis
+    newer = {**estimated, "tags.speed_source": "estimate:roofline-v2+89abcdef", "metrics.decode_tok_s_est": 240.0}
+    table = formatted(build_report(pd.DataFrame([estimated, newer]), ["model", "decode_tok_s", "speed_source"]).table)
+    assert list(table["speed"]) == ["estimate SM8650 (roofline-v1+0123abcd)", "estimate SM8650 (roofline-v2+89abcdef)"]
 
 
 def test_report_reads_runs_logged_under_legacy_names():

@@ -123,6 +123,11 @@ def _speeds(runs: pd.DataFrame, num) -> None:
     for name in SPEEDS:
         runs[name] = num(f"metrics.{name}_est").where(estimated, num(f"metrics.{name}"))
         runs[f"{name}_emulator"] = num(f"metrics.{name}").where(emulated)
+    # estimates of two model versions (or fits to two data files) are not one axis: each row then names its version
+    model = column(runs, "tags.speed_source").fillna("").astype(str).str.replace(r"^(what-if:)?estimate:", "",
+                                                                                 regex=True)
+    if model[estimated].nunique() > 1:
+        soc = soc + " (" + model + ")"
     runs["speed_source"] = np.where(estimated, kind + soc, np.where(
         measured, np.where(emulated, "x86_emulator", "measured " + runs["target"].astype(str)), "-"))
 
