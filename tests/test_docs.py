@@ -140,3 +140,36 @@ def test_no_issue_numbers_or_outside_paths():
             if "../shared" in line or ISSUE_REFERENCE.search(line):
                 found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
     assert not found, "issue numbers or outside paths:\n" + "\n".join(found)
+
+
+def _readme_commands() -> list:
+    """Each command line of the README's code blocks, its trailing comment removed."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    lines = "\n".join(re.findall(r"^```[^\n]*\n(.*?)^```", text, re.M | re.S)).splitlines()
+    return [re.sub(r"\s+#.*$", "", line).strip() for line in lines if line.strip() and not line.startswith("load ->")]
+
+
+def test_every_readme_command_parses(compose):
+    """The README's commands work as written: each `make` target exists, each `python -m qexp` command's overrides
+    compose with Hydra, and each other module's flags are in its --help."""
+    import shlex
+
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    helps = {}
+    for command in _readme_commands():
+        words = shlex.split(command)
+        if words[0] == "make":
+            assert re.search(rf"^{re.escape(words[1])}:", makefile, re.M), f"no make target for: {command}"
+            continue
+        assert words[:2] == [".venv/bin/python", "-m"], f"a README command qexp cannot check: {command}"
+        module, args = words[2], words[3:]
+        if module == "qexp":
+            compose(args, tracked=False)  # raises on an unknown group, option or key
+            continue
+        if module not in helps:
+            proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
+                                  timeout=120)
+            assert proc.returncode == 0, f"{module} --help failed: {proc.stderr[-2000:]}"
+            helps[module] = proc.stdout
+        for flag in (a for a in args if a.startswith("--")):
+            assert flag in helps[module], f"{module} has no {flag} (README: {command})"
