@@ -10,12 +10,17 @@ setup:
 run: setup
 	$(VENV_PY) -m qexp +experiment=$(EXPERIMENT)
 
+# Two pytest workers, a test file each at a time (--dist loadfile: a file's module fixtures, e.g. a compiled program,
+# are built once): most tests run single-threaded Python (export, QNN's graph preparation), so two at once use both
+# cores.
+PYTEST_WORKERS ?= 2
+
 test: setup
 	@bash scripts/setup_test_system.sh
-	$(VENV_PY) -m pytest --durations=25 tests
+	$(VENV_PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25 tests
 
 test-fast: setup
-	$(VENV_PY) -m pytest -m "not slow" tests
+	$(VENV_PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" tests
 
 bench: setup
 	$(VENV_PY) benchmarks/bench_default.py

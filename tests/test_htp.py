@@ -140,6 +140,7 @@ def test_float_originals_left_out_before_lowering_give_the_same_program(deployed
     reads; graph.drop_unused_attributes deletes them before lowering (the parent's and the workers' memory). The
     program is the one lowered with them kept: the same size and bit-identical emulator outputs. (Two lowerings of
     one graph never give identical bytes: QNN's context binary differs in ~2k scattered bytes each time.)"""
+    import qexp.backends.htp.graph as graph_module
     import qexp.backends.htp.lower as lower
 
     cfg, static, qdq, program, runner, windows = deployed
@@ -148,7 +149,7 @@ def test_float_originals_left_out_before_lowering_give_the_same_program(deployed
     read = {n.target for n in graph.graph.nodes if n.op == "get_attr"}
     assert {name for name, _ in graph.named_parameters()} <= read
     # as before the change, for the graph below and the compile after it: the originals kept
-    monkeypatch.setattr(lower, "drop_unused_attributes", lambda module: 0)
+    monkeypatch.setattr(graph_module, "drop_unused_attributes", lambda module: 0)
     kept = lower._deploy_graph(tiny_model, cfg, KV_GRAPH, 1, static.r3, stats, StageTimer())["module"]
     assert any(name not in read for name, _ in kept.named_parameters())  # else this test would test nothing
     cold = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
@@ -179,20 +180,14 @@ def _assert_lowers_the_same_program(deployed, tiny_model, tmp_path, monkeypatch,
     assert torch.equal(other_runner.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
 
 
-def test_non_strict_reexport_gives_the_same_program(deployed, tiny_model, tmp_path, monkeypatch):
+def test_non_strict_reexport_and_lazy_recompile_give_the_same_program(deployed, tiny_model, tmp_path, monkeypatch):
     """ExecuTorch's QNN lowering re-exports the converted graph with strict=True (dynamo); qexp has it re-exported
-    non-strict (upstream.private.qnn_reexport_non_strict), most of the lowering's time on SmolLM2. The program is
-    the one upstream's strict path lowers (dynamo needs torch's eager GraphModules, so the lazy recompile is off
-    too)."""
+    non-strict (upstream.private.qnn_reexport_non_strict), most of the lowering's time on SmolLM2, with torch's lazy
+    GraphModule recompile (upstream.private.lazy_graph_module_recompile: a graph's Python source generated when
+    run, not after every pass). The program is the one upstream's strict path with the eager recompile lowers (dynamo
+    needs torch's eager GraphModules, so both are off together: a change in either shows here)."""
     _assert_lowers_the_same_program(deployed, tiny_model, tmp_path, monkeypatch,
                                     "qnn_reexport_non_strict", "lazy_graph_module_recompile")
-
-
-def test_lazy_recompile_gives_the_same_program(deployed, tiny_model, tmp_path, monkeypatch):
-    """The lowering runs with torch's lazy GraphModule recompile (upstream.private.lazy_graph_module_recompile: a
-    graph's Python source generated when run, not after every pass). The program is the one the eager recompile
-    lowers."""
-    _assert_lowers_the_same_program(deployed, tiny_model, tmp_path, monkeypatch, "lazy_graph_module_recompile")
 
 
 def test_lazy_recompile_is_scoped():
