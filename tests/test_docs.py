@@ -108,8 +108,11 @@ def test_every_registered_backend_algorithm_and_family_is_documented():
     from qexp.models.families import FAMILIES
     from qexp.transforms.base import TRANSFORMS
 
+    def shipped(registry):  # what the package registers; test files register their own (another worker's import)
+        return [n for n, obj in registry.items() if getattr(obj, "__module__", "qexp").startswith("qexp")]
+
     code = _code_text(_docs_text())
-    names = [f"backend {n}" for n in BACKENDS] + [f"algorithm {n}" for n in TRANSFORMS]
+    names = [f"backend {n}" for n in shipped(BACKENDS)] + [f"algorithm {n}" for n in shipped(TRANSFORMS)]
     names += [f"family {n}" for n in FAMILIES]
     names += [f"architecture {a}" for family in FAMILIES.values() for a in family.hf_architectures]
     undocumented = [n for n in names if not _named(n.split(" ", 1)[1], code)]
