@@ -99,6 +99,13 @@ def test_an_override_selecting_no_layer_is_refused_before_work(compose):
     assert static_module_path("layers.0.feed_forward.w2.weight") == "layers.0.feed_forward.w2_conv"
 
 
+def test_an_override_that_is_not_a_regex_names_itself_before_work(compose):
+    cfg = compose(TINY + ["quant=16a4w", "quant.overrides=[{pattern: 'output\\.conv', scheme: 16a8w}, "
+                                         "{pattern: '(', scheme: 16a8w}]"])
+    with pytest.raises(ConfigError, match=r"quant.overrides\[1\] pattern '\(' is not a valid regex .*position 0"):
+        validate(cfg)
+
+
 def test_shipped_gemma_has_its_lm_head_before_loading(compose):
     """Gemma-3-270m's GGUF has no `gemma3.vocab_size` and ties its lm head to the embedding: the metadata shapes
     still list the lm head (vocabulary from the token list), so the recipes' lm-head override validates."""

@@ -185,7 +185,20 @@ def validate_recipe(quant: QuantConfig, observer: ObserverConfig) -> None:
     if full_range and (quant.scheme in QDQ_ONLY_SCHEMES or "a4w" not in quant.scheme):
         raise ConfigError(f"quant.weight_range=full with quant={quant.scheme}: the full [-8, 7] range is for 4-bit "
                           "weights", "use a 4-bit scheme (16a4w, 16a4w_block, 8a4w), or weight_range=narrow")
+    check_override_patterns(quant)
     build_recipe(quant, observer)
+
+
+def check_override_patterns(quant: QuantConfig) -> None:
+    """Each override's pattern must be a regex: the error names the override and the position in its own pattern
+    (the recipe wraps it in a larger regex, whose positions would mislead)."""
+    for i, override in enumerate(quant.overrides):
+        try:
+            re.compile(override.pattern)
+        except re.error as exc:
+            raise ConfigError(f"quant.overrides[{i}] pattern {override.pattern!r} is not a valid regex ({exc})",
+                              "fix the pattern (a Python regex over module paths such as "
+                              "layers.3.feed_forward.w2_conv), escaping literal dots and brackets") from None
 
 
 def uses_blocks(quant: QuantConfig) -> bool:
