@@ -233,6 +233,35 @@ class TrackingConfig:
     force: bool = False
 
 
+SENSITIVITY_VIEWS = ("cost", "gain")
+
+
+@dataclass
+class SelectionConfig:
+    # windows of the calibration half of the text, from its second half by characters (the calibration samples come
+    # from its start; checked disjoint): never the test windows the recipes are reported on
+    seq_len: int = 96  # 8 x 96 tokens: SmolLM2's whole analysis fits 15 minutes on 2 cores
+    limit: int = 8
+
+
+@dataclass
+class SensitivityConfig:
+    """`python -m qexp.sensitivity` (conf/sensitivity.yaml): the run's `quant` is the low precision (its scheme,
+    granularity and block size; its overrides are what the analysis decides), `high` the high one (per channel)."""
+
+    high: str = "16a8w"
+    groups: str = ".*"  # regex over group names (layers.3.down, lm_head, embedding)
+    views: List[str] = field(default_factory=lambda: list(SENSITIVITY_VIEWS))
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
+    # perplexity budgets (ppl / ppl_fp - 1 on the selection windows) to synthesize recipes for
+    budgets: List[float] = field(default_factory=lambda: [0.03, 0.05, 0.10])
+    # average-bits budgets (per decoder-linear weight) to synthesize the best recipe within
+    bit_budgets: List[float] = field(default_factory=list)
+    # where the recipes go as conf/quant-style YAMLs (quant=<dir name>/<file> when inside conf/quant); empty: only
+    # the run's artifacts
+    recipe_dir: str = ""
+
+
 @dataclass
 class QexpConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -253,6 +282,9 @@ class QexpConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     # Show native libraries' output (QNN compile progress, runtime INFO lines) live instead of only in native.log.
     verbose: bool = False
+    # The sensitivity analysis' settings (SensitivityConfig): set by conf/sensitivity.yaml, the config of
+    # `python -m qexp.sensitivity`; None in an experiment's config (and then left out of its hash and params).
+    sensitivity: Optional[SensitivityConfig] = None
 
 
 def register_configs() -> None:

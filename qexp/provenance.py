@@ -29,7 +29,8 @@ QDQ_CACHE_VERSION = 3
 # and cache keys, so earlier runs still match (a sweep skips them) and earlier cache entries stay valid.
 LATER_DEFAULTS = {("quant", "weight_range"): "narrow", ("eval", "htp_exact"): False,
                   ("backend", "compile_workers"): 2, ("backend", "contexts"): "per_graph",
-                  ("model", "masked_softmax"): None, ("algorithm", "weight_clip", "objective"): "weights"}
+                  ("model", "masked_softmax"): None, ("algorithm", "weight_clip", "objective"): "weights",
+                  ("sensitivity",): None}
 
 
 def without_later_defaults(container: dict, prefix: tuple = ()) -> dict:

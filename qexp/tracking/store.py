@@ -79,6 +79,8 @@ def flatten(cfg: DictConfig | dict, prefix: str = "") -> Dict[str, str]:
     out: Dict[str, str] = {}
     for key, value in container.items():
         name = f"{prefix}{key}"
+        if value is None and not prefix:  # a section an experiment does not use (sensitivity)
+            continue
         if isinstance(value, dict):
             out.update(flatten(value, f"{name}."))
         else:

@@ -1,0 +1,54 @@
+"""`python -m qexp.sensitivity [model=...] [quant=LOW] [sensitivity.high=HIGH] ...`: one sensitivity analysis."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+from qexp.errors import QexpError
+from qexp.tracking.redact import mask_log_records
+
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+mask_log_records()
+
+
+@hydra.main(version_base="1.3", config_path="../../conf", config_name="sensitivity")
+def main(cfg: DictConfig) -> None:
+    from qexp.sensitivity.run import recipe_name, run_analysis
+    from qexp.tracking.redact import redact_text
+
+    try:
+        run_id, analysis, recipes = run_analysis(cfg)
+    except KeyboardInterrupt:
+        print("qexp: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - one line; details in the MLflow run
+        if isinstance(exc, QexpError):
+            message = redact_text(f"qexp: error: {exc}")
+        else:
+            if os.environ.get("QEXP_TRACEBACK"):
+                raise
+            first = redact_text(str(exc).splitlines()[0]) if str(exc) else ""
+            message = (f"qexp: failed: {type(exc).__name__}: {first} (traceback: error.txt of the MLflow run, or "
+                       "rerun with QEXP_TRACEBACK=1)")
+        print(message, file=sys.stderr)
+        sys.exit(2 if isinstance(exc, QexpError) else 1)
+    s = analysis.summary
+    print(f"qexp: sensitivity run {run_id} finished: {len(analysis.groups)} groups on {s['selection_windows']} "
+          f"selection windows x {s['selection_window_len']} tokens "
+          f"({'from the cache; measured' if analysis.cache_hit else 'measured'} in {s['analysis_s']:.0f} s)")
+    for recipe in recipes:
+        budget = f"<= {recipe.budget:g} bits" if recipe.kind == "bits" else f"+{recipe.budget:.1%}"
+        print(f"qexp: recipe {recipe_name(cfg, recipe)}: {recipe.average_bits:.3f} bits per decoder-linear weight "
+              f"(lm head {recipe.lm_head_bits:g}), "
+              f"{recipe.ppl_ratio_selection:+.2%} vs FP on the selection windows "
+              f"({'meets' if recipe.met else 'MISSES'} {budget})")
+
+
+if __name__ == "__main__":
+    main()
