@@ -4,6 +4,7 @@ table, a synthesized recipe is an ordinary quant config a run can use, and bad i
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -185,9 +186,17 @@ def test_synthesis_finds_the_fewest_promotions_and_says_when_a_budget_cannot_be_
     ("sensitivity.views=[cost,loss]", "sensitivity.views"),
     ("sensitivity.bit_budgets=[3.5]", "outside [4, 8]"),
 ])
-def test_bad_analysis_input_is_one_line_before_work(override, message):
-    proc = subprocess.run([sys.executable, "-m", "qexp.sensitivity", *SENS, override, "tracking.experiment=tests"],
+def test_bad_analysis_input_is_refused_before_work(compose_sensitivity, override, message):
+    from qexp.errors import ConfigError
+    from qexp.sensitivity.analysis import validate_analysis
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_analysis(compose_sensitivity(SENS + [override]))
+
+
+def test_bad_analysis_input_is_one_line_and_exit_2():
+    proc = subprocess.run([sys.executable, "-m", "qexp.sensitivity", *SENS, "quant=fp32", "tracking.experiment=tests"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("qexp: error:")]
-    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+    assert proc.returncode == 2 and len(lines) == 1 and "needs a low precision" in lines[0], proc.stderr[-2000:]
     assert "MLflow run" not in proc.stderr  # refused before a run started
