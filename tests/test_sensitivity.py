@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
+from omegaconf import OmegaConf
 from mlflow.tracking import MlflowClient
 
 from helpers import REPO, TINY
@@ -173,6 +174,10 @@ def test_synthesis_finds_the_fewest_promotions_and_says_when_a_budget_cannot_be_
     assert recipe.average_bits == pytest.approx(4 + 4 * 2 / 6) and recipe.lm_head_bits == 8
     missed = synthesize(table, groups, 0.001, measure)
     assert not missed.met and "no recipe meets" in missed.notes[0] and len(missed.promoted) == len(groups)
+    from qexp.sensitivity.run import unmet_budget_lines
+
+    lines = unmet_budget_lines(OmegaConf.create({"model": {"name": "m"}, "quant": {"name": "q"}}), [recipe, missed])
+    assert len(lines) == 1 and lines[0].startswith("qexp: error: no recipe meets +0.1%") and "mp_m_q_001" in lines[0]
     capped = within_bits(table, groups, 5.0, measure)  # one of six layers at 8 bits: 4.67 bits
     assert capped.promoted == ["lm_head", "layers.1.down"] and capped.ppl_ratio_selection == pytest.approx(0.077)
 

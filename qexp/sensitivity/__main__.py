@@ -19,7 +19,7 @@ mask_log_records()
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="sensitivity")
 def main(cfg: DictConfig) -> None:
-    from qexp.sensitivity.run import recipe_name, run_analysis
+    from qexp.sensitivity.run import recipe_name, run_analysis, unmet_budget_lines
     from qexp.tracking.redact import redact_text
 
     try:
@@ -48,6 +48,10 @@ def main(cfg: DictConfig) -> None:
               f"(lm head {recipe.lm_head_bits:g}), "
               f"{recipe.ppl_ratio_selection:+.2%} vs FP on the selection windows "
               f"({'meets' if recipe.met else 'MISSES'} {budget})")
+    unmet = unmet_budget_lines(cfg, recipes)
+    if unmet:  # the run and its closest recipes are kept; the exit status says a budget was not met
+        print("\n".join(unmet), file=sys.stderr)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -140,3 +140,10 @@ def _log_results(cfg, analysis: Analysis, recipes: List[Recipe], run_id: str) ->
 
 def _ppl(ll: np.ndarray) -> float:
     return math.exp(-float(ll.sum()) / ll.size)
+
+
+def unmet_budget_lines(cfg, recipes) -> list:
+    """One line per budget no recipe meets, naming the closest recipe written."""
+    return [f"qexp: error: {recipe.notes[0] if recipe.notes else 'budget not met'}; the closest recipe is "
+            f"{recipe_name(cfg, recipe)} (in the run's recipes/)" for recipe in recipes if not recipe.met]
+
