@@ -110,6 +110,16 @@ def test_report_pairs_runs_on_the_same_windows(compose, store_uri, tmp_path, cap
     assert "Δ vs RTN" in out and "[" in out
 
 
+def test_pairing_against_a_recipe_lets_the_recipe_differ():
+    """`--paired-vs params.quant.name=recipe_llama3_2_1b` pairs recipes (overrides, grids may differ); an algorithm
+    pairing keeps them equal."""
+    from qexp.report.paired import IDENTITY, QUANT_IDENTITY, pairing_identity
+
+    recipe = pairing_identity("params.quant.name", IDENTITY)
+    assert not set(QUANT_IDENTITY) & set(recipe) and "tags.eval_windows_sha256" in recipe
+    assert set(QUANT_IDENTITY) <= set(pairing_identity("algorithm", IDENTITY))
+
+
 def test_windows_needed_for_the_deployed_program_against_its_qdq_program(monkeypatch):
     """`--windows-needed` adds the deployed-vs-QDQ figure from the windows the deployed phase scored (NaN after them
     in eval/per_window.csv); a run without a deployed phase on whole windows gets '-'."""

@@ -22,6 +22,10 @@ from qexp.report.base import Report, ReportError, column
 IDENTITY = ("params.model.name", "tags.scheme", "tags.weight_grid", "tags.lm_head_grid", "params.quant.overrides",
             "params.quant.custom_annotations", "params.observer.name", "calibration", "params.calibration.sampling",
             "params.backend.name", "target", "tags.eval_windows_sha256", "qdq_arithmetic")
+# what a quantization recipe sets: pairing against a recipe (--paired-vs params.quant.name=...) compares recipes,
+# so these may differ between the pair
+QUANT_IDENTITY = ("tags.scheme", "tags.weight_grid", "tags.lm_head_grid", "params.quant.overrides",
+                  "params.quant.custom_annotations")
 
 
 @functools.lru_cache(maxsize=None)  # a run's artifact never changes; both options read the same runs
@@ -86,14 +90,22 @@ def _add_needed_column(report: Report, header: str, needed: Dict[str, int]) -> N
     report.table[header] = [v if v >= 0 else "-" for v in values]
 
 
+def pairing_identity(name: str, columns) -> list:
+    """The columns two runs must share to be paired when they differ in `name`: IDENTITY, less the quantization
+    recipe's columns when `name` is one of them (pairing recipes against a recipe)."""
+    varied = {name} | (set(QUANT_IDENTITY) if name.startswith("params.quant.") or name in QUANT_IDENTITY else set())
+    return [c for c in IDENTITY if c in columns and c not in varied]
+
+
 def add_paired(report: Report, runs: pd.DataFrame, spec: str) -> None:
     """`spec` = COLUMN=VALUE: each row's QDQ perplexity against the row with COLUMN == VALUE and the same identity
     (model, scheme, weight grid, overrides, observer, calibration, backend, windows, QDQ arithmetic), on the same
-    windows, with its interval."""
+    windows, with its interval. A quant column (params.quant.name=recipe_llama3_2_1b) pairs recipes: the
+    scheme, grids, overrides and annotations may then differ."""
     name, _, value = spec.partition("=")
     if name not in runs or not value:
         raise ReportError(f"--paired-vs {spec}", "pass COLUMN=VALUE, e.g. algorithm=RTN")
-    identity = [c for c in IDENTITY if c in runs]
+    identity = pairing_identity(name, runs.columns)
     key = lambda row: tuple(str(row.get(c)) for c in identity)  # noqa: E731
     baselines = {key(row): row["run_id"] for _, row in runs.iterrows() if str(row[name]) == value}
     if not baselines:
@@ -117,6 +129,8 @@ def add_paired(report: Report, runs: pd.DataFrame, spec: str) -> None:
     report.table[header] = report.data[header].values
     report.table.attrs.setdefault("ci", {})[header] = (report.data[f"{header} ci_low"],
                                                         report.data[f"{header} ci_high"])
-    report.notes.append(f"{header}: PPL QDQ of the row / PPL QDQ of the run with {name} = {value} and the same model, "
-                        "scheme, weight grid, overrides, observer, calibration, backend, QDQ arithmetic and evaluation "
-                        "windows, - 1, with the 95% interval of a paired bootstrap over those windows.")
+    same = ("model, observer, calibration, backend, QDQ arithmetic and evaluation windows (the quantization recipe "
+            "may differ)" if QUANT_IDENTITY[0] not in identity else "model, scheme, weight grid, overrides, observer, "
+            "calibration, backend, QDQ arithmetic and evaluation windows")
+    report.notes.append(f"{header}: PPL QDQ of the row / PPL QDQ of the run with {name} = {value} and the same "
+                        f"{same}, - 1, with the 95% interval of a paired bootstrap over those windows.")
