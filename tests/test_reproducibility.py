@@ -76,12 +76,13 @@ def test_cpu_kernels_are_pinned_and_recorded(tmp_path):
     assert other.data.tags["fp_eval_cache_hit"] == "false" and other.data.tags["qdq_cache_hit"] == "false"
 
 
-def test_a_warm_rerun_reuses_what_its_change_does_not_touch(compose, store_uri):
+def test_a_warm_rerun_reuses_what_its_change_does_not_touch(compose, store_uri, tmp_path):
     """Changing only the deployed phase's speed bench settings reuses the compiled program; changing only the
     evaluation windows reuses the calibrated QDQ program (and the compiled one). Each stage says so in its tag."""
-    base = TINY + ["quant=16a8w", "backend=htp", "backend.model_mode=kv", "backend.eval_tokens=32",
-                   "backend.bench.prompt_len=8", "backend.bench.new_tokens=4", "backend.bench.repeats=1",
-                   "backend.bench.warmup=0"]
+    # its own cache: the first run must be cold whichever test files ran before in this worker
+    base = TINY + [f"cache_dir={tmp_path / 'cache'}", "quant=16a8w", "backend=htp", "backend.model_mode=kv",
+                   "backend.eval_tokens=32", "backend.bench.prompt_len=8", "backend.bench.new_tokens=4",
+                   "backend.bench.repeats=1", "backend.bench.warmup=0"]
     runs = {
         "cold": run_experiment(compose(base + ["tracking.force=true"])),
         "bench changed": run_experiment(compose(base + ["backend.bench.new_tokens=6", "backend.bench.repeats=2"])),
