@@ -214,13 +214,9 @@ def _tracked_run(cfg: DictConfig, tracker: Tracker, chash: str, job: Optional["S
             result.run_id, result.name = run_id, name
             result.description = run_description(result.metrics, result.tags, cfg.backend.name)
             Tracker.describe(result.description)
-            Tracker.text(run_log.getvalue(), "run.log")
-            tracker.finish()
+            tracker.end(run_log.getvalue())
         except BaseException as exc:
-            try:
-                Tracker.text(run_log.getvalue(), "run.log")
-            finally:
-                tracker.fail(exc)
+            tracker.end(run_log.getvalue(), exc)
             try:  # so the caller (a sweep job) can say which run failed
                 exc.run_id, exc.config_hash = run_id, chash
             except AttributeError:

@@ -39,13 +39,9 @@ def run_analysis(cfg) -> tuple[str, Analysis, List[Recipe]]:
             analysis = analyse(cfg)
             recipes = _recipes(cfg, analysis, run_id)
             _log_results(cfg, analysis, recipes, run_id)
-            Tracker.text(run_log.getvalue(), "run.log")
-            tracker.finish()
+            tracker.end(run_log.getvalue())
         except BaseException as exc:
-            try:
-                Tracker.text(run_log.getvalue(), "run.log")
-            finally:
-                tracker.fail(exc)
+            tracker.end(run_log.getvalue(), exc)
             raise
     return run_id, analysis, recipes
 

@@ -208,6 +208,18 @@ class Tracker:
             mlflow.end_run("FINISHED")
             self.run = None
 
+    def end(self, run_log: str, exc: Optional[BaseException] = None) -> None:
+        """Attach the run's log as run.log, then end the run FINISHED; with `exc`, FAILED (even if the log could not
+        be written). A log that cannot be written on success raises, so the caller ends the run FAILED."""
+        if exc is None:
+            Tracker.text(run_log, "run.log")
+            self.finish()
+            return
+        try:
+            Tracker.text(run_log, "run.log")
+        finally:
+            self.fail(exc)
+
     def fail(self, exc: BaseException) -> None:
         """End the active run FAILED, with the error as a tag and the full traceback as an artifact."""
         if self.run is None:
