@@ -9,7 +9,6 @@ FIT) agree with the measured deltas.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List
@@ -138,7 +137,7 @@ def analyse(cfg, progress=log.info) -> Analysis:
 
 def measure_table(static, selection, groups, low, high, views, progress) -> tuple[pd.DataFrame, dict]:
     from qexp.sensitivity.measure import GroupWeights, float_pass, isolated_deltas
-    from qexp.sensitivity.replay import LayerReplay
+    from qexp.sensitivity.replay import LayerReplay, perplexity
 
     started = time.time()
     replay = LayerReplay(static, selection)
@@ -148,10 +147,10 @@ def measure_table(static, selection, groups, low, high, views, progress) -> tupl
                      "in_recipes": g.in_recipes, "bits_low": grid_bits(grids_for(g, low, high)[0]),
                      "bits_high": grid_bits(grids_for(g, low, high)[1]), **stats[g.name]} for g in groups}
     summary = {"selection_windows": selection.n_windows, "selection_window_len": selection.seq_len,
-               "selection_predicted_tokens": selection.n_predicted, "ppl_fp_selection": _ppl(fp_ll)}
+               "selection_predicted_tokens": selection.n_predicted, "ppl_fp_selection": perplexity(fp_ll)}
     for view in views:
         base, deltas = isolated_deltas(replay, weights, groups, low, high, view, progress)
-        summary[f"ppl_all_{'high' if view == 'cost' else 'low'}_selection"] = _ppl(base)
+        summary[f"ppl_all_{'high' if view == 'cost' else 'low'}_selection"] = perplexity(base)
         for group, d in zip(groups, deltas):
             rows[group.name].update({view: d["delta"], f"{view}_ci_low": d["ci_low"], f"{view}_ci_high": d["ci_high"]})
     weights.put_all(lambda g: None)
@@ -179,7 +178,3 @@ def rank_correlations(table: pd.DataFrame) -> Dict[str, float]:
     if "cost" in finite and "gain" in finite:
         out["spearman_cost_vs_gain"] = float(spearmanr(finite["cost"], -finite["gain"]).statistic)
     return out
-
-
-def _ppl(ll: np.ndarray) -> float:
-    return math.exp(-float(ll.sum()) / ll.size)

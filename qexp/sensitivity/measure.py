@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from qexp.eval.uncertainty import ppl_ratio_interval
-from qexp.sensitivity.groups import Group, grids_for
+from qexp.sensitivity.groups import EMBEDDING, Group, grids_for
 from qexp.sensitivity.replay import LayerReplay
 
 
@@ -57,7 +57,7 @@ def start_layer(group: Group, n_layers: int) -> int:
     """The first layer a change to `group` reaches: the embedding feeds layer 0, the lm head follows the last."""
     if group.layer is not None:
         return group.layer
-    return 0 if group.projection == "embedding" else n_layers
+    return 0 if group.projection == EMBEDDING else n_layers
 
 
 def isolated_deltas(replay: LayerReplay, weights: GroupWeights, groups: List[Group], low, high, view: str,

@@ -8,6 +8,7 @@ weights therefore costs (n_layers - L) layers and the lm head, not a whole forwa
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Iterator, List
 
@@ -16,6 +17,11 @@ import torch
 
 from qexp.data.windows import Windows
 from qexp.models.static_llama import StaticLlama
+
+
+def perplexity(ll: np.ndarray) -> float:
+    """Token perplexity of log-likelihoods [windows, predicted]."""
+    return math.exp(-float(ll.sum()) / ll.size)
 
 
 class _KeptLayer(torch.nn.Module):

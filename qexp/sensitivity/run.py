@@ -13,7 +13,6 @@ import tempfile
 from pathlib import Path
 from typing import List
 
-import numpy as np
 
 from qexp.sensitivity.analysis import Analysis, analyse, validate_analysis
 from qexp.sensitivity.synthesis import Recipe, recipe_overrides, recipe_yaml, synthesize, within_bits
@@ -51,12 +50,12 @@ def recipe_measure(cfg, analysis: Analysis):
     from qexp.transforms.capture import private_static
     from qexp.sensitivity.groups import grids_for
     from qexp.sensitivity.measure import GroupWeights
-    from qexp.sensitivity.replay import LayerReplay
+    from qexp.sensitivity.replay import LayerReplay, perplexity
 
     static = private_static(analysis.model, analysis.selection.seq_len, cfg.model)  # weights edited in place
     replay = LayerReplay(static, analysis.selection)
     weights = GroupWeights(static.module, analysis.groups)
-    fp_ppl = _ppl(replay.loglik(0))
+    fp_ppl = perplexity(replay.loglik(0))
 
     def measure(promoted: List[str]) -> float:
         chosen = set(promoted)
@@ -66,7 +65,7 @@ def recipe_measure(cfg, analysis: Analysis):
             return high if g.name in chosen or not g.in_recipes else low
 
         weights.put_all(grid)
-        return _ppl(replay.loglik(0)) / fp_ppl - 1
+        return perplexity(replay.loglik(0)) / fp_ppl - 1
 
     return measure
 
@@ -132,10 +131,6 @@ def _log_results(cfg, analysis: Analysis, recipes: List[Recipe], run_id: str) ->
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / f"{name}.yaml").write_text(text)
             log.info("recipe written: %s", out_dir / f"{name}.yaml")
-
-
-def _ppl(ll: np.ndarray) -> float:
-    return math.exp(-float(ll.sum()) / ll.size)
 
 
 def unmet_budget_lines(cfg, recipes) -> list:
