@@ -204,6 +204,12 @@ class EvalConfig:
     # accumulator's low 8 bits dropped, LPBQ block scales as encoded), so its perplexity predicts HTP's. Changes no
     # quantization statistic; runs are tagged qdq_arithmetic=htp_exact and never paired with fake-quant ones.
     htp_exact: bool = False
+    # lm-eval tasks scored on the FP and QDQ phases (qexp/tasks, docs/tasks.md): qexp's offline tasks
+    # (qexp_lastword_<text>, qexp_choice_<text>, text: wikitext | news | austen), tasks in eval.task_paths folders,
+    # or lm-eval's own (their data must be on this machine).
+    tasks: List[str] = field(default_factory=list)
+    task_paths: List[str] = field(default_factory=list)  # folders of lm-eval task YAMLs (lm-eval's --include_path)
+    task_limit: Optional[int] = None  # items per task (lm-eval's --limit); null: every item
 
 
 @dataclass

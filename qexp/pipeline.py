@@ -1,6 +1,6 @@
 """The experiment, as an ordered list of stages:
 
-    load -> text / windows -> FP phase -> calibration data -> transforms -> quantize -> QDQ phase -> backend
+    load -> text / windows -> FP phase -> calibration data -> transforms -> quantize -> QDQ phase -> tasks -> backend
 
 Each stage is a function of a `RunState` that reads what earlier stages produced and adds its own; the work itself
 lives in the stage's module (qexp/models, data, transforms, quant, eval, backends). `run_experiment` wraps the
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qexp")
 
-STAGES = ("load", "text", "fp", "calibration", "transform", "qdq", "deploy")
+STAGES = ("load", "text", "fp", "calibration", "transform", "qdq", "tasks", "deploy")
 
 
 @dataclass
@@ -136,6 +136,10 @@ def validate(cfg: DictConfig) -> Backend:
                               f"lower {key} or raise export.max_context_len")
     if cfg.eval.limit != "all" and not (isinstance(cfg.eval.limit, int) and cfg.eval.limit >= 1):
         raise ConfigError(f"eval.limit={cfg.eval.limit}", "evaluate at least one window, or eval.limit=all")
+    if cfg.eval.get("tasks") or cfg.eval.get("task_paths"):
+        from qexp.tasks.harness import check_tasks
+
+        check_tasks(cfg)
     if cfg.cache.max_gb is not None and cfg.cache.max_gb <= 0:
         raise ConfigError(f"cache.max_gb={cfg.cache.max_gb}", "use a positive size in GiB, or null for no bound")
     backend.validate(cfg)

@@ -30,7 +30,8 @@ QDQ_CACHE_VERSION = 3
 LATER_DEFAULTS = {("quant", "weight_range"): "narrow", ("eval", "htp_exact"): False,
                   ("backend", "compile_workers"): 2, ("backend", "contexts"): "per_graph",
                   ("model", "masked_softmax"): None, ("algorithm", "weight_clip", "objective"): "weights",
-                  ("sensitivity",): None}
+                  ("sensitivity",): None, ("eval", "tasks"): [], ("eval", "task_paths"): [],
+                  ("eval", "task_limit"): None}
 
 
 def without_later_defaults(container: dict, prefix: tuple = ()) -> dict:
@@ -156,6 +157,14 @@ def fp_eval_key(cfg: DictConfig, model, static, windows, keep_logits: int) -> st
                         "context": cfg.export.max_context_len, "windows": windows.sha256,
                         "keep_logits": keep_logits, "numerics": numerics_key(), "versions": library_versions()},
                        length=24)
+
+
+def fp_task_key(cfg: DictConfig, model, static, suite_key: str) -> str:
+    """The FP phase of one model on one task suite (its items' hashes and limit)."""
+    extra = {"masked_softmax": True} if static.masked_softmax else {}
+    return stable_hash({**extra, "model": model.fingerprint, "arch": cfg.model.arch, "r3": static.r3,
+                        "context": cfg.export.max_context_len, "tasks": suite_key, "numerics": numerics_key(),
+                        "versions": library_versions()}, length=24)
 
 
 def qdq_cache_key(cfg: DictConfig, model, static, calibration, soc: str, algorithms=()) -> str:

@@ -184,6 +184,7 @@ def qdq(state) -> None:
     from qexp.quant.encodings import encodings_table, summarize_encodings, weights_megabytes
     from qexp.quant.fold import with_weights_dequantized
     from qexp.quant.htp_arithmetic_pass import MODELLED_OPS
+    from qexp.quant.w4_lowering import htp_exact_lowering
     from qexp.transforms import algorithm_label, build_transforms, calibration_algorithms
 
     if not state.quantized:
@@ -233,11 +234,12 @@ def qdq(state) -> None:
     state.log_text(summarize_encodings(table), "quant/summary.txt")
 
 
-def htp_exact_lowering(cfg):
-    """None for the fake-quant QDQ phase; with eval.htp_exact, how HTP would get per-channel 4-bit weights."""
-    from qexp.quant.w4_lowering import w4_lowering_of
+def tasks(state) -> None:
+    """eval.tasks through lm-eval on the FP and QDQ phases (qexp/tasks/stage.py)."""
+    if state.cfg.eval.get("tasks"):
+        from qexp.tasks.stage import score_tasks
 
-    return w4_lowering_of(cfg) if cfg.eval.get("htp_exact", False) else None
+        score_tasks(state)
 
 
 def deploy(state) -> None:
@@ -316,4 +318,4 @@ def grid_tags(cfg) -> dict:
 
 
 STAGE_FUNCTIONS = {"load": load, "text": text, "fp": fp, "calibration": calibration, "transform": transform,
-                   "qdq": qdq, "deploy": deploy}
+                   "qdq": qdq, "tasks": tasks, "deploy": deploy}

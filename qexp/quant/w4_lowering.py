@@ -18,6 +18,11 @@ class W4Lowering(enum.Enum):
 DEFAULT_W4_LOWERING = W4Lowering.lpbq
 
 
+def htp_exact_lowering(cfg):
+    """None for the fake-quant QDQ phase; with eval.htp_exact, how HTP would get per-channel 4-bit weights."""
+    return w4_lowering_of(cfg) if cfg.eval.get("htp_exact", False) else None
+
+
 def w4_lowering_of(cfg) -> str:
     """The run's 4-bit lowering: its backend's setting where it has one (HTP), else the HTP default."""
     return str(getattr(cfg.backend, "w4_lowering", DEFAULT_W4_LOWERING.value)).split(".")[-1]

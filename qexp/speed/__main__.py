@@ -9,24 +9,18 @@ run) counts them with QNN's DDR summary instead, which adds what QNN moves besid
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import List
 
 from qexp.errors import ConfigError, QexpError
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-
 
 def compose(overrides: List[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    """conf/config.yaml with `overrides`; the backend is HTP unless they choose one."""
+    from qexp.compose import compose as compose_config
 
     if not any(o.startswith(("backend=", "+backend=")) for o in overrides):
         overrides = ["backend=htp", *overrides]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
+    return compose_config(overrides)
 
 
 def check_deployable(cfg) -> None:

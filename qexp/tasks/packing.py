@@ -1,0 +1,171 @@
+"""Score many short token sequences through one static-llama program, several per call.
+
+The static graph always runs `ar_len` positions, so an 80-token task item alone wastes two thirds of a call. Its
+attention mask and RoPE positions are graph inputs, so sequences can share a call: each gets its own block of the
+mask (the rows a lone sequence starting at position 0 would get, sliding windows included) and positions counting
+from 0; every other mask entry keeps the graph's masked value. Requests that share their context (the choices of a
+multiple-choice item) share it in the call too: the context once, then each continuation attending to the context
+and to itself, at the positions it would have alone. A masked score's softmax weight underflows to exactly 0 in
+float32, so each request's logits are those of the request run alone up to float summation order (a test checks it
+on the float and the QDQ program).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Sequence, Tuple
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Input tokens and the targets their last `len(targets)` positions predict."""
+
+    inputs: Tuple[int, ...]
+    targets: Tuple[int, ...]
+
+    @property
+    def prefix_len(self) -> int:
+        """Inputs up to the one that predicts the first target: what requests of one context share."""
+        return len(self.inputs) - len(self.targets) + 1
+
+
+@dataclass
+class Scored:
+    logprob: float  # sum of the targets' log-likelihoods
+    greedy: bool  # every target is the argmax of its position
+    logprobs: np.ndarray  # per target (float64)
+
+
+@dataclass
+class Block:
+    """A shared prefix and the branches that continue it; each branch sees the prefix and itself."""
+
+    prefix: Tuple[int, ...]
+    branches: List[Tuple[int, ...]] = field(default_factory=list)
+    owners: List[int] = field(default_factory=list)  # the request (or sequence) index of each branch
+
+    def __len__(self) -> int:
+        return len(self.prefix) + sum(map(len, self.branches))
+
+
+def pack(lengths: Sequence[int], ar_len: int) -> List[List[int]]:
+    """Indices of blocks grouped into calls of at most `ar_len` positions (first fit, longest first, so the grouping
+    depends only on the lengths: the same requests give the same calls)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    calls: List[List[int]] = []
+    free: List[int] = []
+    for i in order:
+        n = lengths[i]
+        if n > ar_len or n < 1:
+            raise ValueError(f"a sequence of {n} tokens for a graph of {ar_len} positions")
+        for c, room in enumerate(free):
+            if n <= room:
+                calls[c].append(i)
+                free[c] -= n
+                break
+        else:
+            calls.append([i])
+            free.append(ar_len - n)
+    return calls
+
+
+def blocks_of(requests: Sequence[ScoreRequest], ar_len: int) -> List[Block]:
+    """Requests with the same prefix in one block (as many branches as fit the graph), the rest alone."""
+    blocks: List[Block] = []
+    by_prefix: Dict[Tuple[int, ...], Block] = {}
+    for i, request in enumerate(requests):
+        prefix = request.inputs[: request.prefix_len]
+        branch = request.inputs[request.prefix_len:]
+        block = by_prefix.get(prefix)
+        if block is None or len(block) + len(branch) > ar_len:
+            block = by_prefix[prefix] = Block(prefix)
+            blocks.append(block)
+        block.branches.append(branch)
+        block.owners.append(i)
+    return blocks
+
+
+class PackedScorer:
+    """One program (the float static llama or a QDQ program) and its static llama's input layout."""
+
+    def __init__(self, module, static, desc: str = "tasks"):
+        self.module, self.static, self.desc = module, static, desc
+        self.ar_len = static.ar_len
+        example = static.example_inputs()
+        self.n_masks = static.n_masks
+        self._masks = [m.clone() for m in example[1: 1 + self.n_masks]]
+        self._caches = example[2 + self.n_masks:]
+        self._masked_value = float(self._masks[0].min())
+
+    def _place(self, masks, positions, start: int, first: int, cols: Tuple[int, int], own: int, n: int) -> None:
+        """Rows start..start+n hold positions first..first+n of a sequence whose earlier positions 0..first sit in
+        columns cols (a shared prefix; empty for a lone sequence) and whose own rows follow from column `own`."""
+        positions[0, start: start + n] = torch.arange(first, first + n, dtype=torch.int32)
+        for packed, lone in zip(masks, self._masks):
+            rows = lone[..., first: first + n, :]
+            if first:
+                packed[..., start: start + n, cols[0]: cols[1]] = rows[..., :first]
+            packed[..., start: start + n, own: own + n] = rows[..., first: first + n]
+
+    def _inputs(self, blocks: List[Block]) -> Tuple[Tuple[torch.Tensor, ...], List[Tuple[int, List[int]]]]:
+        """The call's inputs, and where each block's prefix and branches start."""
+        ar = self.ar_len
+        tokens = torch.zeros((1, ar), dtype=torch.int32)
+        positions = torch.zeros((1, ar), dtype=torch.int32)
+        masks = [torch.full_like(m, self._masked_value) for m in self._masks]
+        layout = []
+        offset = 0
+        for block in blocks:
+            p = len(block.prefix)
+            tokens[0, offset: offset + p] = torch.as_tensor(block.prefix, dtype=torch.int32)
+            self._place(masks, positions, offset, 0, (offset, offset), offset, p)
+            starts, at = [], offset + p
+            for branch in block.branches:
+                if branch:
+                    tokens[0, at: at + len(branch)] = torch.as_tensor(branch, dtype=torch.int32)
+                    self._place(masks, positions, at, p, (offset, offset + p), at, len(branch))
+                starts.append(at)
+                at += len(branch)
+            layout.append((offset, starts))
+            offset = at
+        if offset < ar:  # the padding: a lone sequence of its own, as a short sequence's padding is
+            self._place(masks, positions, offset, 0, (offset, offset), offset, ar - offset)
+        return (tokens, *masks, positions, *self._caches), layout
+
+    @torch.no_grad()
+    def _run(self, blocks: List[Block]) -> Iterator[Tuple[Block, torch.Tensor, int, List[int]]]:
+        """(block, the call's logits, where the block's prefix starts, where its branches start) for every block."""
+        for call in tqdm(pack([len(b) for b in blocks], self.ar_len), desc=self.desc, unit="call", leave=False):
+            chosen = [blocks[i] for i in call]
+            inputs, layout = self._inputs(chosen)
+            result = self.module(*inputs)
+            logits = (result[0] if isinstance(result, (tuple, list)) else result).reshape(self.ar_len, -1).float()
+            used = sum(len(b) for b in chosen)
+            if not torch.isfinite(logits[:used]).all():
+                raise FloatingPointError(f"{self.desc}: non-finite logits")
+            for block, (start, starts) in zip(chosen, layout):
+                yield block, logits, start, starts
+
+    def logits_of(self, seqs: List[Tuple[int, ...]]) -> List[torch.Tensor]:
+        """Float logits [len(seq), vocab] of each sequence."""
+        out: Dict[int, torch.Tensor] = {}
+        blocks = [Block(tuple(s), [()], [i]) for i, s in enumerate(seqs)]
+        for block, logits, start, _ in self._run(blocks):
+            out[block.owners[0]] = logits[start: start + len(block.prefix)]
+        return [out[i] for i in range(len(seqs))]
+
+    def score(self, requests: List[ScoreRequest]) -> List[Scored]:
+        scored: Dict[int, Scored] = {}
+        for block, logits, start, starts in self._run(blocks_of(requests, self.ar_len)):
+            last_prefix = logits[start + len(block.prefix) - 1: start + len(block.prefix)]
+            for owner, branch, at in zip(block.owners, block.branches, starts):
+                predictors = torch.cat([last_prefix, logits[at: at + len(branch)]]).double()
+                targets = torch.as_tensor(requests[owner].targets, dtype=torch.long)
+                lp = torch.log_softmax(predictors, dim=-1).gather(1, targets[:, None])[:, 0].numpy()
+                greedy = bool((predictors.argmax(-1) == targets).all())
+                scored[owner] = Scored(float(lp.sum()), greedy, lp)
+        return [scored[i] for i in range(len(requests))]

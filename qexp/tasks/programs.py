@@ -1,0 +1,49 @@
+"""The programs of a run's phases (its RunState) as task scorers."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from qexp.errors import ConfigError
+from qexp.tasks.packing import PackedScorer
+
+log = logging.getLogger("qexp")
+
+PHASES = ("fp", "qdq")  # the CPU phases a task can score (the deployed programs run elsewhere)
+
+
+@dataclass
+class PhaseProgram:
+    phase: str
+    scorer: PackedScorer
+    tokenizer: Any  # qexp.models.tokenizer.Tokenizer
+    add_bos: bool
+
+
+def fp_program(state) -> PhaseProgram:
+    """The untransformed float model: the reference every other phase is compared with."""
+    static = state.fp_static
+    return PhaseProgram("fp", PackedScorer(static.module, static, "FP tasks"), state.model.tokenizer,
+                        state.model.add_bos)
+
+
+def qdq_program(state) -> PhaseProgram:
+    """The run's QDQ program, weights folded as its perplexity phase runs it (HTP's arithmetic with eval.htp_exact)."""
+    from qexp.quant.fold import with_weights_dequantized
+    from qexp.quant.w4_lowering import htp_exact_lowering
+
+    folded = with_weights_dequantized(state.qdq.program.module, htp_exact_lowering(state.cfg))
+    return PhaseProgram("qdq", PackedScorer(folded, state.qdq.static, "QDQ tasks"), state.model.tokenizer,
+                        state.model.add_bos)
+
+
+def program_of(state, phase: str) -> PhaseProgram:
+    if phase == "fp":
+        return fp_program(state)
+    if phase == "qdq":
+        if state.qdq is None:
+            raise ConfigError("phase=qdq: this run does not quantize (quant=fp32)", "use phase=fp")
+        return qdq_program(state)
+    raise ConfigError(f"phase={phase}: tasks score the phases {', '.join(PHASES)}", "choose one of them")
