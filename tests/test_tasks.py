@@ -157,6 +157,16 @@ def test_a_run_scores_tasks_on_each_phase(compose, tmp_path):
     items = client.download_artifacts(first.run_id, "tasks/items_qdq.csv")
     assert sum(1 for _ in open(items)) == 1 + 20 + 20 + 6
 
+    # two runs paired item by item: --compare gives task metrics a paired interval
+    from qexp.report.compare_runs import compare_runs
+
+    other = run_experiment(compose([*overrides, "quant=8a8w"]))
+    comparison = compare_runs(first.run_id, other.run_id, mlflow.get_tracking_uri())
+    rows = {row.name: row for row in comparison.metrics}
+    low, high = rows["task.qexp_lastword_wikitext.perplexity_qdq"].paired
+    assert low < high
+    assert any("items both runs scored" in note for note in comparison.notes)
+
 
 @pytest.mark.parametrize("override,message", [
     (["eval.tasks=[qexp_lastword_wikitxt]"], "unknown task 'qexp_lastword_wikitxt'.*mean qexp_lastword_wikitext"),

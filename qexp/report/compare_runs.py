@@ -206,6 +206,62 @@ def _add_paired_intervals(frame: pd.DataFrame, rows: List[MetricRow], run_ids: S
     return note
 
 
+TASK_METRIC = re.compile(r"^task\.(?P<task>[^.]+)\.(?P<metric>\w+?)_(?P<phase>fp|qdq)$")
+
+
+def _task_items(run_id: str, phase: str) -> Optional[pd.DataFrame]:
+    import io
+
+    import mlflow
+
+    try:
+        return pd.read_csv(io.StringIO(mlflow.artifacts.load_text(f"runs:/{run_id}/tasks/items_{phase}.csv")))
+    except Exception:  # noqa: BLE001 - a run without task items (no eval.tasks, or logged before they existed)
+        return None
+
+
+def _add_task_intervals(frame: pd.DataFrame, rows: List[MetricRow], run_ids: Sequence[str]) -> Optional[str]:
+    """Each task metric's B/A - 1 interval from both runs' per-item values (tasks/items_<phase>.csv), paired item by
+    item; task metrics of runs that scored different items are flagged instead. Returns the note, if any row."""
+    from qexp.eval.uncertainty import paired_ratio_interval
+
+    tags = _section(frame, "tags.")
+    paired, differ = [], []
+    items = {}
+    for row in rows:
+        match = TASK_METRIC.match(row.name)
+        if match is None or match["metric"].endswith("_stderr"):
+            continue
+        task, metric, phase = match["task"], match["metric"], match["phase"]
+        hashes = [t.get(f"task.{task}.sha256") for t in tags]
+        if hashes[0] != hashes[1]:
+            row.flag = "NOT COMPARABLE"
+            differ.append(task)
+            continue
+        for i, run_id in enumerate(run_ids):
+            if (i, phase) not in items:
+                items[(i, phase)] = _task_items(run_id, phase)
+        a, b = items[(0, phase)], items[(1, phase)]
+        if a is None or b is None or metric not in a or metric not in b:
+            continue
+        both = a[a["task"] == task].merge(b[b["task"] == task], on=["task", "doc_id"], suffixes=("_a", "_b"))
+        va, vb = both[f"{metric}_a"].to_numpy(float), both[f"{metric}_b"].to_numpy(float)
+        if metric == "perplexity":  # per-item log-likelihoods: B/A - 1 of exp(-mean)
+            interval = unit_interval(vb, va, 1)
+        else:
+            interval = paired_ratio_interval(vb, va)
+        row.paired = (interval.get("ci_low", np.nan), interval.get("ci_high", np.nan))
+        paired.append(row.name)
+    notes = []
+    if paired:
+        notes.append(f"[low, high] on the task metrics: 95% interval of B/A-1, paired bootstrap over the items both "
+                     f"runs scored ({len(paired)} metrics).")
+    if differ:
+        notes.append(f"NOT COMPARABLE task metrics ({', '.join(sorted(set(differ)))}): the runs scored different "
+                     "items (tag task.<task>.sha256).")
+    return " ".join(notes) or None
+
+
 # ---------------------------------------------------------------- the comparison
 def compare_runs(run_a: str, run_b: str, tracking_uri: Optional[str] = None,
                  experiment: Optional[str] = None) -> RunComparison:
@@ -222,5 +278,8 @@ def compare_runs(run_a: str, run_b: str, tracking_uri: Optional[str] = None,
         notes.append(f"Comparability not checked for {unknown}: a run did not log it (older run?).")
     if not not_comparable and not unknown_blocks_pairing:
         notes.append(_add_paired_intervals(frame, rows, [run.info.run_id for run in runs]))
+    task_note = _add_task_intervals(frame, rows, [run.info.run_id for run in runs])
+    if task_note:
+        notes.append(task_note)
     return RunComparison(_summary(client, runs[0]), _summary(client, runs[1]), params_differ, params_equal, rows,
                          equal, not_comparable, timing, notes)

@@ -153,6 +153,8 @@ def resolve_columns(names: Optional[Sequence[str]]) -> Dict[str, tuple[str, str]
             out[name] = known[name]
         elif name.startswith(("metrics.", "params.", "tags.")):
             out[name] = (name, name.split(".", 1)[1])
+        elif name.startswith("task.") and "_vs_" in name:  # a task delta: shown with its 95% interval
+            out[name] = (f"metrics.{name}", f"Δ {name[len('task.'):]}")
         else:  # a bare metric name, e.g. kv_update_us_per_token
             out[name] = (f"metrics.{name}", name)
     return out
@@ -301,6 +303,9 @@ def build_report(runs: pd.DataFrame, columns: Optional[Sequence[str]] = None, al
                      "computed by an older model name it in brackets (conv_accumulator_floor: the convolutions only; "
                      "rms_norm_floor: with the norms); compare QDQ perplexities within one arithmetic.")
     notes += _notes(runs, chosen)
+    if any(name.startswith("task.") and "_vs_" in name for name in chosen):
+        notes.append("Δ <task>.acc…_vs_fp: the difference in accuracy (points, shown as %), Δ <task>.perplexity…: "
+                     "the ratio − 1; both paired item by item over the task's items (docs/tasks.md).")
     if table.attrs["ci"]:
         notes.append("[low, high]: 95% interval of a Δ, paired bootstrap over the evaluation windows (32-token blocks "
                      "where a phase scored fewer than 8 windows; qexp/eval/uncertainty.py). `~`: the interval spans "
