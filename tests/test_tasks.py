@@ -216,3 +216,18 @@ def test_lm_evals_command_line_runs_qexp_programs(cache_dir, tmp_path):
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0
     assert "phase=qdq: this run does not quantize" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_the_report_shows_task_deltas_with_their_intervals():
+    import pandas as pd
+
+    from qexp.report.table import formatted, resolve_columns
+
+    chosen = resolve_columns(["task.t.acc_qdq_vs_fp", "task.t.perplexity_qdq_vs_fp"])
+    assert chosen["task.t.acc_qdq_vs_fp"] == ("metrics.task.t.acc_qdq_vs_fp", "Δ t.acc_qdq_vs_fp")
+    table = pd.DataFrame({"Δ t.acc_qdq_vs_fp": [-0.139, 0.01], "Δ t.perplexity_qdq_vs_fp": [0.15, 0.02]})
+    table.attrs["ci"] = {"Δ t.acc_qdq_vs_fp": ([-0.172, -0.02], [-0.106, 0.03]),
+                         "Δ t.perplexity_qdq_vs_fp": ([0.10, -0.01], [0.20, 0.05])}
+    shown = formatted(table)
+    assert list(shown["Δ t.acc_qdq_vs_fp"]) == ["-13.9 pt [-17.2, -10.6]", "+1.0 pt [-2.0, +3.0] ~"]
+    assert list(shown["Δ t.perplexity_qdq_vs_fp"]) == ["+15.0% [+10.0, +20.0]", "+2.0% [-1.0, +5.0] ~"]

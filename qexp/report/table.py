@@ -6,6 +6,8 @@ Nothing here names a backend: a run's deployed phase logs the same metrics whate
 
 from __future__ import annotations
 
+import re
+
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -304,8 +306,8 @@ def build_report(runs: pd.DataFrame, columns: Optional[Sequence[str]] = None, al
                      "rms_norm_floor: with the norms); compare QDQ perplexities within one arithmetic.")
     notes += _notes(runs, chosen)
     if any(name.startswith("task.") and "_vs_" in name for name in chosen):
-        notes.append("Δ <task>.acc…_vs_fp: the difference in accuracy (points, shown as %), Δ <task>.perplexity…: "
-                     "the ratio − 1; both paired item by item over the task's items (docs/tasks.md).")
+        notes.append("Δ <task>.acc…_vs_fp: the difference in accuracy in points; Δ <task>.perplexity…_vs_fp: the "
+                     "ratio − 1; both with a paired bootstrap interval over the task's items (docs/tasks.md).")
     if table.attrs["ci"]:
         notes.append("[low, high]: 95% interval of a Δ, paired bootstrap over the evaluation windows (32-token blocks "
                      "where a phase scored fewer than 8 windows; qexp/eval/uncertainty.py). `~`: the interval spans "
@@ -323,6 +325,15 @@ def _delta_cell(value: float, low: float, high: float) -> str:
     return f"{value:+.1%} [{100 * low:+.1f}, {100 * high:+.1f}]" + (" ~" if low <= 0 <= high else "")
 
 
+def _points_cell(value: float, low: float, high: float) -> str:
+    """An accuracy difference (a fraction) in points: `-13.9 pt [-17.2, -10.6]`; `~` as for a Δ."""
+    if pd.isna(value):
+        return "-"
+    if pd.isna(low) or pd.isna(high):
+        return f"{100 * value:+.1f} pt"
+    return f"{100 * value:+.1f} pt [{100 * low:+.1f}, {100 * high:+.1f}]" + (" ~" if low <= 0 <= high else "")
+
+
 def formatted(table: pd.DataFrame) -> pd.DataFrame:
     """Display strings: perplexities to 2 decimals, relative differences in %, '-' where not measured."""
     out = table.copy().astype(object)
@@ -331,7 +342,8 @@ def formatted(table: pd.DataFrame) -> pd.DataFrame:
         values = pd.to_numeric(table[name], errors="coerce")
         if name.startswith("Δ"):
             low, high = intervals.get(name, ([np.nan] * len(values), [np.nan] * len(values)))
-            out[name] = [_delta_cell(v, lo, hi) for v, lo, hi in zip(values, low, high)]
+            cell = _points_cell if re.search(r"\.acc(_norm)?_", name) else _delta_cell  # accuracy: in points
+            out[name] = [cell(v, lo, hi) for v, lo, hi in zip(values, low, high)]
         elif values.notna().any() and table[name].dtype != object:
             out[name] = [f"{v:.4g}" if abs(v) >= 100 else f"{v:.2f}" if pd.notna(v) else "-" for v in values]
         else:
