@@ -306,8 +306,7 @@ def build_report(runs: pd.DataFrame, columns: Optional[Sequence[str]] = None, al
                      "rms_norm_floor: with the norms); compare QDQ perplexities within one arithmetic.")
     notes += _notes(runs, chosen)
     if any(name.startswith("task.") and "_vs_" in name for name in chosen):
-        notes.append("Δ <task>.acc…_vs_fp: the difference in accuracy in points; Δ <task>.perplexity…_vs_fp: the "
-                     "ratio − 1; both with a paired bootstrap interval over the task's items (docs/tasks.md).")
+        notes.append("Δ <task>.acc…: accuracy difference in points; Δ <task>.perplexity…: ratio − 1 (paired by item).")
     if table.attrs["ci"]:
         notes.append("[low, high]: 95% interval of a Δ, paired bootstrap over the evaluation windows (32-token blocks "
                      "where a phase scored fewer than 8 windows; qexp/eval/uncertainty.py). `~`: the interval spans "
@@ -329,9 +328,9 @@ def _points_cell(value: float, low: float, high: float) -> str:
     """An accuracy difference (a fraction) in points: `-13.9 pt [-17.2, -10.6]`; `~` as for a Δ."""
     if pd.isna(value):
         return "-"
-    if pd.isna(low) or pd.isna(high):
-        return f"{100 * value:+.1f} pt"
-    return f"{100 * value:+.1f} pt [{100 * low:+.1f}, {100 * high:+.1f}]" + (" ~" if low <= 0 <= high else "")
+    shown = f"{100 * value:+.1f} pt"
+    return shown if pd.isna(low) or pd.isna(high) else f"{shown} [{100 * low:+.1f}, {100 * high:+.1f}]" + (
+        " ~" if low <= 0 <= high else "")
 
 
 def formatted(table: pd.DataFrame) -> pd.DataFrame:

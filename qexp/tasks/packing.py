@@ -159,13 +159,34 @@ class PackedScorer:
         return [out[i] for i in range(len(seqs))]
 
     def score(self, requests: List[ScoreRequest]) -> List[Scored]:
+        """Each request's target log-likelihoods (log-softmax in float64, as the perplexity phases compute it).
+        The rows of one call are gathered and normalised together: one large temporary per call, not two per
+        request (many mid-sized temporaries fragmented the heap by GiBs over a task suite)."""
         scored: Dict[int, Scored] = {}
+        rows: List[int] = []  # positions of the call's logits that predict a target, request after request
+        owners: List[Tuple[int, int]] = []  # (request, its number of targets)
+        pending = None
         for block, logits, start, starts in self._run(blocks_of(requests, self.ar_len)):
-            last_prefix = logits[start + len(block.prefix) - 1: start + len(block.prefix)]
+            if pending is not None and logits is not pending:
+                self._normalise(pending, rows, owners, requests, scored)
+                rows, owners = [], []
+            pending = logits
+            last_prefix = start + len(block.prefix) - 1
             for owner, branch, at in zip(block.owners, block.branches, starts):
-                predictors = torch.cat([last_prefix, logits[at: at + len(branch)]]).double()
-                targets = torch.as_tensor(requests[owner].targets, dtype=torch.long)
-                lp = torch.log_softmax(predictors, dim=-1).gather(1, targets[:, None])[:, 0].numpy()
-                greedy = bool((predictors.argmax(-1) == targets).all())
-                scored[owner] = Scored(float(lp.sum()), greedy, lp)
+                rows += [last_prefix, *range(at, at + len(branch))]
+                owners.append((owner, len(branch) + 1))
+        if pending is not None:
+            self._normalise(pending, rows, owners, requests, scored)
         return [scored[i] for i in range(len(requests))]
+
+    @staticmethod
+    def _normalise(logits, rows, owners, requests, scored) -> None:
+        predictors = logits[rows]
+        targets = torch.as_tensor([t for owner, _ in owners for t in requests[owner].targets], dtype=torch.long)
+        target_logits = predictors.gather(1, targets[:, None])[:, 0].double()
+        lp = (target_logits - torch.logsumexp(predictors.double(), dim=-1)).numpy()
+        hits = (predictors.argmax(-1) == targets).numpy()
+        at = 0
+        for owner, n in owners:
+            scored[owner] = Scored(float(lp[at: at + n].sum()), bool(hits[at: at + n].all()), lp[at: at + n].copy())
+            at += n
