@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Tuple
 
+import yaml
+
 TASK_VERSION = 2  # bump when the items or the task files change: the tasks' names stay, their hashes change
 SEED = 1234
 KINDS = ("lastword", "choice")
@@ -187,57 +189,22 @@ def _sample(candidates: list, limit: int) -> list:
     return [candidates[i] for i in keep]
 
 
-_YAML = {
-    "lastword": """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: loglikelihood
-doc_to_text: "{{{{context}}}}"
-doc_to_target: "{{{{' ' + target}}}}"
-metric_list:
-  - metric: perplexity
-    aggregation: perplexity
-    higher_is_better: false
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: {version}
-  sha256: {sha256}
-  built_from: {source}
-""",
-    "choice": """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: choices
-doc_to_target: gold
-target_delimiter: " "
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: {version}
-  sha256: {sha256}
-  built_from: {source}
-""",
+# lm-eval's task config of each kind, besides the name, data and metadata (lm-eval's lambada and multiple-choice
+# conventions: a loglikelihood target carries its own leading space; choices get target_delimiter)
+_TASK = {
+    "lastword": {"output_type": "loglikelihood", "doc_to_text": "{{context}}", "doc_to_target": "{{' ' + target}}",
+                 "metric_list": [{"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
+                                 {"metric": "acc", "aggregation": "mean", "higher_is_better": True}]},
+    "choice": {"output_type": "multiple_choice", "doc_to_text": "{{context}}", "doc_to_choice": "choices",
+               "doc_to_target": "gold", "target_delimiter": " ",
+               "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+                               {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}]},
 }
 
 
 def template_hash() -> str:
     """What the task files say besides the items (how a request is formed): part of every cache key of results."""
-    return hashlib.sha256(json.dumps(_YAML, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(_TASK, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def build_items(kind: str, documents: List[str]) -> bytes:
@@ -252,8 +219,10 @@ def write_task_yaml(kind: str, text: str, data_path: Path, sha256: str, describe
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.yaml"
-    path.write_text(_YAML[kind].format(name=name, data=json.dumps(str(Path(data_path).resolve())),
-                                       version=TASK_VERSION, sha256=sha256, source=json.dumps(described)))
+    config = {"task": name, "dataset_path": "json",
+              "dataset_kwargs": {"data_files": {"test": str(Path(data_path).resolve())}}, "test_split": "test",
+              **_TASK[kind], "metadata": {"version": TASK_VERSION, "sha256": sha256, "built_from": described}}
+    path.write_text(yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
     return path
 
 
