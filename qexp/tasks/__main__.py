@@ -13,13 +13,10 @@ folders (YAML + data.jsonl), for lm-eval's `--include_path DIR`.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
 from qexp.errors import QexpError
-
-log = logging.getLogger("qexp")
 
 
 def build(out: str, texts) -> None:

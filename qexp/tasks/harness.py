@@ -5,7 +5,6 @@ comparisons between phases."""
 from __future__ import annotations
 
 import difflib
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -16,7 +15,6 @@ import pandas as pd
 from qexp.errors import ConfigError
 from qexp.tasks.offline import KINDS, TEXTS, parse_task_name
 
-log = logging.getLogger("qexp")
 
 BOOTSTRAP_ITERS = 1000  # lm-eval's stderr of non-mean aggregations (perplexity); its default 100,000 takes minutes
 
@@ -111,17 +109,12 @@ def evaluate_tasks(lm, names: List[str], include_paths: List[str], limit: Option
     from lm_eval.tasks import TaskManager
 
     # lm-eval's own index only when a name needs it (~15 s)
-    needs_defaults = any(parse_task_name(n) is None and not _in_folders(n, include_paths) for n in names)
+    local = set(TaskManager(include_path=include_paths, include_defaults=False).all_tasks) if include_paths else set()
+    needs_defaults = any(parse_task_name(n) is None and n not in local for n in names)
     manager = TaskManager(include_path=include_paths or None, include_defaults=needs_defaults)
     out = simple_evaluate(model=lm, tasks=list(names), task_manager=manager, limit=limit, log_samples=True,
                           bootstrap_iters=BOOTSTRAP_ITERS)
     return _read_results(out, phase)
-
-
-def _in_folders(name: str, include_paths: List[str]) -> bool:
-    from lm_eval.tasks import TaskManager
-
-    return bool(include_paths) and name in TaskManager(include_path=include_paths, include_defaults=False).all_tasks
 
 
 def _read_results(out: dict, phase: str) -> TaskResult:

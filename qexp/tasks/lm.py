@@ -12,7 +12,6 @@ Build one from a phase of a run (`QexpLM.from_phase`), or from lm-eval's command
 
 from __future__ import annotations
 
-import logging
 from typing import List, Optional, Tuple
 
 from lm_eval.api.model import TemplateLM
@@ -20,7 +19,6 @@ from tqdm import tqdm
 
 from qexp.tasks.packing import PackedScorer, ScoreRequest
 
-log = logging.getLogger("qexp")
 
 MAX_GEN_TOKS = 256  # lm-eval's default for generation tasks that set none
 

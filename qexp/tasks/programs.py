@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 from qexp.errors import ConfigError
 from qexp.tasks.packing import PackedScorer
 
-log = logging.getLogger("qexp")
 
 PHASES = ("fp", "qdq")  # the CPU phases a task can score (the deployed programs run elsewhere)
 
