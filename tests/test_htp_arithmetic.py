@@ -147,7 +147,10 @@ def test_new_settings_at_their_default_keep_earlier_hashes(compose):
         container.pop(volatile, None)
     del container["eval"]["htp_exact"], container["quant"]["weight_range"], container["model"]["masked_softmax"]
     del container["sensitivity"]  # None outside `python -m qexp.sensitivity`
+    for task_setting in ("tasks", "task_paths", "task_limit"):  # the tasks stage came later too
+        del container["eval"][task_setting]
     assert config_hash(cfg) == stable_hash(container, length=16)
+    assert config_hash(compose(TINY + ["eval.tasks=[qexp_lastword_wikitext]"])) != config_hash(cfg)
     assert config_hash(compose(TINY + ["eval.htp_exact=true"])) != config_hash(cfg)
     assert config_hash(compose(TINY + ["model.masked_softmax=false"])) != config_hash(cfg)
     assert config_hash(compose(TINY + ["quant=16a4w", "quant.weight_range=full"])) != \
@@ -161,6 +164,8 @@ def test_new_settings_at_their_default_keep_earlier_hashes(compose):
         container.pop(volatile, None)
     del container["eval"]["htp_exact"], container["quant"]["weight_range"], container["model"]["masked_softmax"]
     del container["sensitivity"]  # None outside `python -m qexp.sensitivity`
+    for task_setting in ("tasks", "task_paths", "task_limit"):
+        del container["eval"][task_setting]
     del container["algorithm"]["weight_clip"]["objective"]
     assert config_hash(clip) == stable_hash(container, length=16)
     assert build_transforms(clip.algorithm)[0].fingerprint()["config"] == {"n_grid": 100, "max_shrink": 0.8,
