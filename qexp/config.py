@@ -223,6 +223,9 @@ class CacheConfig:
     # Bound on the cache's size: after each run, the least recently used entries beyond it are removed (never one
     # the run used). null = unbounded; `python -m qexp.cache list|prune` manages it by hand.
     max_gb: Optional[float] = None
+    # How long a job waits for a cache entry another job (here or on another host sharing cache_dir) is building,
+    # before it fails saying who holds it. null = as long as that job is alive.
+    lock_timeout_s: Optional[float] = None
 
 
 @dataclass

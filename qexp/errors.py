@@ -26,6 +26,10 @@ class CacheFullError(QexpError):
     """The cache's disk (or the process's file size limit) ran out while an entry was written."""
 
 
+class CacheLockError(QexpError):
+    """Waited longer than cache.lock_timeout_s for a cache entry another job is building."""
+
+
 def require_file(path: str | None, what: str, fix: str) -> str:
     import os
 

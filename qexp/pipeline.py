@@ -20,7 +20,7 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from qexp.backends import Backend, QdqPhase, get_backend
-from qexp.cache import Cache, stable_hash
+from qexp.cache import Cache, check_cache_dir, stable_hash
 from qexp.config import NO_QUANT, QDQ_ONLY_SCHEMES
 from qexp.errors import ConfigError
 from qexp.provenance import config_hash, environment_tags, pin_cpu_numerics
@@ -70,7 +70,7 @@ class RunState:
     qdq: Optional[QdqPhase] = None
 
     def __post_init__(self):
-        self.cache = self.cache or Cache(self.cfg.cache_dir)
+        self.cache = self.cache or Cache(self.cfg.cache_dir, self.cfg.cache.lock_timeout_s)
 
     def log_params(self, params: Dict[str, Any]) -> None:
         if self.tracked:
@@ -142,6 +142,10 @@ def validate(cfg: DictConfig) -> Backend:
         check_tasks(cfg)
     if cfg.cache.max_gb is not None and cfg.cache.max_gb <= 0:
         raise ConfigError(f"cache.max_gb={cfg.cache.max_gb}", "use a positive size in GiB, or null for no bound")
+    if cfg.cache.lock_timeout_s is not None and cfg.cache.lock_timeout_s <= 0:
+        raise ConfigError(f"cache.lock_timeout_s={cfg.cache.lock_timeout_s}",
+                          "use a positive number of seconds, or null to wait as long as the building job lives")
+    check_cache_dir(cfg.cache_dir)
     backend.validate(cfg)
     return backend
 
@@ -154,10 +158,11 @@ def run_experiment(cfg: DictConfig, job: Optional["SweepJob"] = None) -> Experim
     chash = config_hash(cfg)
     if job is None:
         return _tracked_run(cfg, tracker, chash, job)
+    check_cache_dir(cfg.cache_dir)  # the claim below lives there
     # Two sweeps started together may both hold this config: the first takes it, the second waits and then finds
     # its FINISHED run (a machine-wide lock per store, experiment and config; another host may still duplicate it).
     lock_key = stable_hash([tracker.uri, cfg.tracking.experiment, chash], length=24)
-    with Cache(cfg.cache_dir).lock("run_claims", lock_key):
+    with Cache(cfg.cache_dir, cfg.cache.lock_timeout_s).lock("run_claims", lock_key):
         if not cfg.tracking.force:
             previous = tracker.finished_run(chash)
             if previous is not None and not _still_valid(cfg):

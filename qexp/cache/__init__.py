@@ -2,8 +2,9 @@
 
 An entry is a directory `<root>/<kind>/<key>/`, where key is a hash of everything that determines its content.
 It is built in a temporary sibling directory and renamed into place, so a reader never sees a half-written entry
-and concurrent builders of the same key are safe (the loser discards its copy). A `lock` serialises builders
-of one key within a machine so they do not do the same expensive work twice.
+and concurrent builders of the same key are safe (the loser discards its copy). A `lock` per key (a lock file that
+works on a shared folder, `qexp.cache.lock`) serialises its builders across processes and hosts: the second job that
+needs an entry being built waits for it and reuses it instead of computing it again.
 
 An entry heals: its `.manifest.json` records every file's size and xxh3 hash, and every read checks them. A missing,
 truncated or corrupt entry is moved to `<root>/.quarantine/`, rebuilt with a warning, and the run goes on. Each read
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -103,10 +103,33 @@ def _write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def check_cache_dir(root: str | os.PathLike) -> None:
+    """Refuse a cache folder that cannot be created or written, before any work (one line, how to fix)."""
+    path = Path(os.path.expanduser(str(root)))
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check."):
+            pass
+    except OSError as exc:
+        from qexp.errors import ConfigError
+
+        raise ConfigError(f"cache_dir={root} cannot be used: {exc.strerror or exc}",
+                          "point cache_dir (or QEXP_CACHE_DIR) at a folder this user can create and write") from None
+
+
+LOCK_SUFFIX = ".lockfile"  # `<root>/<kind>/.<key>.lockfile` (`.<key>.lock` files are flock(2)'s, from older code)
+
+
+def lock_path(kind_dir: Path, key: str) -> Path:
+    return Path(kind_dir) / f".{key}{LOCK_SUFFIX}"
+
+
 class Cache:
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, lock_timeout_s: Optional[float] = None):
         self.root = Path(os.path.expanduser(str(root)))
         self.run_id: Optional[str] = None  # recorded in each entry's .uses.jsonl (set by the pipeline)
+        # how long to wait for an entry another job is building (None: as long as that job lives)
+        self.lock_timeout_s = lock_timeout_s
 
     def path(self, kind: str, key: str) -> Path:
         return self.root / kind / key
@@ -139,14 +162,22 @@ class Cache:
     @contextlib.contextmanager
     def lock(self, kind: str, key: str) -> Iterator[None]:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # owner only: entries hold user models and data
+        from qexp.cache.lock import CacheLockTimeout, EntryLock
+
         lock_dir = self.root / kind
         lock_dir.mkdir(parents=True, exist_ok=True)
-        with open(lock_dir / f".{key}.lock", "w") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        entry_lock = EntryLock(lock_path(lock_dir, key), f"{kind} cache entry {key}", self.lock_timeout_s)
+        try:
+            entry_lock.acquire()
+        except CacheLockTimeout as exc:
+            from qexp.errors import CacheLockError
+
+            raise CacheLockError(str(exc), f"raise cache.lock_timeout_s, or, if that job is gone for good, delete "
+                                 f"{entry_lock.path}") from None
+        try:
+            yield
+        finally:
+            entry_lock.release()
 
     def get_or_build(self, kind: str, key: str, build: Callable[[Path], dict | None]) -> tuple[Path, bool]:
         """Return (entry directory, hit). `build(tmp_dir)` writes the entry's files and may return metadata."""

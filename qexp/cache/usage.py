@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -11,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from qexp.cache import COMPLETE, QUARANTINE, USES
+from qexp.cache import COMPLETE, QUARANTINE, USES, lock_path
+from qexp.cache.lock import EntryLock
 
 
 @dataclass
@@ -58,34 +58,26 @@ def leftovers(root: Path, min_age_s: float = 3600) -> List[Path]:
     now = time.time()
     for kind_dir in (p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         out += [p for p in kind_dir.iterdir() if p.is_dir() and p.name.startswith(".")
-                and now - p.stat().st_mtime > min_age_s and not _locked(kind_dir / f".{p.name.split('.')[1]}.lock")]
+                and now - p.stat().st_mtime > min_age_s and not _locked(kind_dir, p.name.split('.')[1])]
     return out
 
 
-def _locked(lock_file: Path) -> bool:
-    """Whether a process holds this key's lock (building it, or reading it) right now."""
-    if not lock_file.exists():
-        return False
-    with open(lock_file) as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(handle, fcntl.LOCK_UN)
-    return False
+def _locked(kind_dir: Path, key: str) -> bool:
+    """Whether a live process holds this key's lock (building it, or reading it) right now."""
+    return EntryLock(lock_path(kind_dir, key), f"cache entry {key}").held() is not None
 
 
 def _remove_entry(entry: Entry) -> bool:
     """Remove an entry unless a process is building or reading it right now (its lock is held)."""
-    with open(entry.path.parent / f".{entry.key}.lock", "w") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
+    entry_lock = EntryLock(lock_path(entry.path.parent, entry.key), f"{entry.kind} cache entry {entry.key}")
+    if not entry_lock.acquire(blocking=False):
+        return False
+    try:
         doomed = entry.path.with_name(f".{entry.key}.pruned.{os.getpid()}")
         os.rename(entry.path, doomed)  # gone for readers at once; the files go after
         shutil.rmtree(doomed, ignore_errors=True)
-        fcntl.flock(handle, fcntl.LOCK_UN)
+    finally:
+        entry_lock.release()
     return True
 
 
