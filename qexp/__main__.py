@@ -32,13 +32,26 @@ def main(cfg: DictConfig) -> float | None:
     from qexp.tracking.redact import redact_hydra_outputs, redact_text
     from qexp.tracking.sweep import current_job
 
+    from qexp.tracking.slurm import JobTerminated, install_job_signals
+
     redact_hydra_outputs()
     job = current_job(cfg.tracking.sweep)
+    install_job_signals()  # in a SLURM job: its end (scancel, time limit) ends the run KILLED with SLURM's reason
     try:
         result = run_experiment(cfg, job)
     except KeyboardInterrupt:
         print("qexp: interrupted", file=sys.stderr)
         sys.exit(130)
+    except JobTerminated as ended:
+        run_id = getattr(ended, "run_id", None)
+        print(redact_text(f"qexp: error: run {run_id} KILLED: {ended.reason}"), file=sys.stderr)
+        if job is not None:
+            job.record("failed", run_id, getattr(ended, "config_hash", None), f"KILLED: {ended.reason}")
+        if ended.exit_code is not None:  # submitit requeued the job and exits with this
+            sys.exit(ended.exit_code)
+        if job is None:
+            sys.exit(143)
+        return None  # the job's end is recorded: the sweep's summary counts it failed
     except Exception as exc:  # noqa: BLE001 - reported in one line; details in the MLflow run
         if isinstance(exc, QexpError):
             # One readable line, no traceback: the error is the user's input or environment.

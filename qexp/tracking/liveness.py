@@ -23,6 +23,7 @@ BOOT_TAG = "qexp.boot_id"
 PID_TAG = "qexp.pid"
 PID_START_TAG = "qexp.pid_start"
 KILLED_TAG = "qexp.killed_reason"
+SLURM_JOB_TAG = "qexp.slurm_job_id"
 
 
 def _boot_id() -> str:
@@ -48,8 +49,11 @@ def _pid_start(pid: int) -> Optional[str]:
 
 def owner_tags(pid: Optional[int] = None) -> Dict[str, str]:
     pid = pid or os.getpid()
-    return {HOST_TAG: socket.gethostname(), BOOT_TAG: _boot_id(), PID_TAG: str(pid),
+    tags = {HOST_TAG: socket.gethostname(), BOOT_TAG: _boot_id(), PID_TAG: str(pid),
             PID_START_TAG: _pid_start(pid) or ""}
+    if os.environ.get("SLURM_JOB_ID") and pid == os.getpid():  # `scancel` / `sacct -j` it
+        tags[SLURM_JOB_TAG] = os.environ["SLURM_JOB_ID"]
+    return tags
 
 
 def death_reason(tags: Dict[str, str], dead_pid: Optional[int] = None) -> Optional[str]:

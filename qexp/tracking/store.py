@@ -224,6 +224,18 @@ class Tracker:
         """End the active run FAILED, with the error as a tag and the full traceback as an artifact."""
         if self.run is None:
             return
+        from qexp.tracking.liveness import KILLED_TAG
+        from qexp.tracking.slurm import JobTerminated, slurm_reason
+
+        if isinstance(exc, JobTerminated):  # SLURM ended the job: KILLED, with what SLURM says of it
+            reason = redact_text(slurm_reason(exc))
+            try:
+                mlflow.set_tags({KILLED_TAG: reason[:5000], "error": f"KILLED: {reason}"[:5000],
+                                 NOTE_TAG: f"KILLED: {reason}"[:5000]})
+            finally:
+                mlflow.end_run("KILLED")
+                self.run = None
+            return
         message = redact_text(f"{type(exc).__name__}: {exc}")
         try:
             mlflow.set_tags({"error": message[:5000], NOTE_TAG: redact_text(failed_description(exc))})

@@ -86,8 +86,7 @@ def current_job(sweep_name: Optional[str] = None) -> Optional[SweepJob]:
         return None
     # The launcher's environment points at the sweep file (absolute), whatever directory a launcher starts jobs in;
     # the sweep dir is the fallback for launchers that do not pass the environment on.
-    sweep_file = Path(os.environ.get(SWEEP_FILE_ENV) or Path(hydra_cfg.sweep.dir).resolve() / SWEEP_FILE)
-    info = json.loads(sweep_file.read_text()) if sweep_file.exists() else {}
+    info = read_sweep_file(Path(hydra_cfg.sweep.dir).resolve()) or {}
     return SweepJob(
         name=info.get("name") or sweep_name or "multirun",
         parent_run_id=info.get("parent_run_id"),
@@ -96,6 +95,12 @@ def current_job(sweep_name: Optional[str] = None) -> Optional[SweepJob]:
         overrides=list(hydra_cfg.overrides.task),
         varied=list(info.get("varied", [])),
     )
+
+
+def read_sweep_file(sweep_dir: Path) -> Optional[dict]:
+    """The sweep's parent run, store and name, as the launching process wrote them (None: no such file)."""
+    sweep_file = Path(os.environ.get(SWEEP_FILE_ENV) or Path(sweep_dir) / SWEEP_FILE)
+    return json.loads(sweep_file.read_text()) if sweep_file.exists() else None
 
 
 _SWEEP_SYNTAX = (",", "choice(", "range(", "interval(", "glob(", "tag(")

@@ -1,0 +1,91 @@
+"""Sweeps on SLURM (`hydra/launcher=slurm`): every job ends its run with what SLURM did to it.
+
+Hydra's submitit launcher submits the jobs as one array. Two things it leaves open, which this module closes:
+- In the job: SLURM ends a job with SIGTERM (`scancel`, the time limit, a node going down) and warns of the time
+  limit with USR2 `signal_delay_s` before it. submitit ignores SIGTERM and turns USR2 into an exception only when the
+  job cannot be requeued. Here both end the run KILLED at once, with SLURM's own account of the job (`sacct`) as the
+  reason; a job submitit requeues (pre-emption) ends its run KILLED as requeued and exits as submitit wants.
+- In the launching process: a job that died without a word (SIGKILL, a node failure, cancelled while still pending)
+  makes submitit's `results()` raise, which would end the whole sweep with a traceback: `slurm_launcher.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+from typing import Optional
+
+log = logging.getLogger("qexp")
+
+
+class JobTerminated(BaseException):
+    """SLURM is ending this job. A BaseException, like KeyboardInterrupt: no `except Exception` may swallow it."""
+
+    def __init__(self, what: str, exit_code: Optional[int] = None):
+        super().__init__(what)
+        self.what = what
+        self.exit_code = exit_code  # set: exit with it after the run is ended (submitit requeued the job)
+        self.reason = what  # completed from sacct by slurm_reason() once out of the signal handler
+
+
+def slurm_job_id() -> Optional[str]:
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def sacct_state(job_id: str) -> Optional[str]:
+    """SLURM's account of a job, e.g. "CANCELLED by 0", "TIMEOUT", "FAILED (exit 1:0)", or None if unknown."""
+    try:
+        out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", str(job_id), "-o", "State,Reason,ExitCode"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [line.split("|") for line in out.splitlines() if line.strip()]
+    if not lines:
+        return None
+    state, reason, exit_code = (lines[-1] + ["", "", ""])[:3]
+    text = state
+    if reason and reason != "None":
+        text += f" ({reason})"
+    if exit_code and exit_code != "0:0":
+        text += f", exit code {exit_code}"
+    return text
+
+
+def _describe(what: str) -> str:
+    job_id = slurm_job_id()
+    state = sacct_state(job_id) if job_id else None
+    return f"{what}; SLURM job {job_id}: {state}" if state else f"{what}; SLURM job {job_id}"
+
+
+def slurm_reason(exc: BaseException) -> str:
+    """The reason a terminated job's run is KILLED, with what sacct says of the job now."""
+    if isinstance(exc, JobTerminated):
+        exc.reason = _describe(exc.what)
+        return exc.reason
+    return str(exc)
+
+
+def install_job_signals() -> None:
+    """In a SLURM job: SIGTERM and the time-limit warning end the run (see the module's docstring)."""
+    if not slurm_job_id():
+        return
+
+    def on_term(signum, frame):
+        raise JobTerminated("ended by SLURM (SIGTERM: scancel, its time limit or its node shutting down)")
+
+    signal.signal(signal.SIGTERM, on_term)
+    submitit_handler = signal.getsignal(signal.SIGUSR2)
+    if not callable(submitit_handler):  # not started by submitit: USR2 only if the user asked for it
+        return
+
+    def on_warning(signum, frame):
+        try:
+            submitit_handler(signum, frame)  # requeues (exits) or raises when it cannot
+        except SystemExit as requeued:
+            raise JobTerminated("pre-empted by SLURM and requeued by submitit", exit_code=requeued.code) from None
+        except Exception as cannot:  # noqa: BLE001 - submitit's UncompletedJobError
+            raise JobTerminated(f"reached its SLURM time limit ({cannot})") from None
+
+    signal.signal(signal.SIGUSR2, on_warning)

@@ -1,0 +1,190 @@
+"""Beyond one process tree, on real engines installed and started by the project's scripts (scripts/services/):
+a team MLflow store on PostgreSQL (a sweep logs to it; its server killed mid-sweep and brought back) and sweeps as
+real SLURM jobs on a single-node cluster (a job that raises, a job past its time limit, a cancelled job, the re-run).
+Each skips with one line where its services cannot be installed or started (not root, no Debian packages)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from helpers import REPO, TINY, free_port
+
+pytestmark = pytest.mark.slow
+
+SERVICES = REPO / "scripts" / "services"
+
+
+def _service(script: str, command: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SERVICES / script), command], env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def services_env():
+    """A scratch QEXP_SERVICES_DIR (world-traversable: PostgreSQL and MariaDB run as their own users) and free ports."""
+    folder = tempfile.mkdtemp(prefix="qexp-services-")
+    os.chmod(folder, 0o755)
+    env = {**os.environ, "QEXP_SERVICES_DIR": folder, "QEXP_PG_PORT": str(free_port()),
+           "QEXP_MLFLOW_PORT": str(free_port())}
+    yield env
+    for script in ("mlflow_server.sh", "postgres.sh", "slurm.sh"):
+        _service(script, "stop", env)
+
+
+@pytest.fixture(scope="module")
+def team_store(services_env):
+    """An MLflow server on PostgreSQL with served artifacts: its URL."""
+    started = _service("mlflow_server.sh", "start", services_env)
+    if started.returncode != 0:
+        pytest.skip(f"no PostgreSQL-backed MLflow server here: {started.stderr.strip().splitlines()[-1]}")
+    return started.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def slurm(services_env):
+    """A single-node SLURM cluster: the environment its clients need (SLURM_CONF)."""
+    started = _service("slurm.sh", "start", services_env)
+    if started.returncode != 0:
+        pytest.skip(f"no SLURM cluster here: {(started.stderr.strip().splitlines() or ['?'])[-1]}")
+    conf = started.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    return {**services_env, "SLURM_CONF": conf}
+
+
+def _runs(uri: str, experiment: str):
+    client = MlflowClient(uri)
+    return client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+
+
+def test_a_sweep_on_the_postgresql_store_survives_its_server_dying(team_store, services_env, tmp_path):
+    """A 3-job sweep logs to the PostgreSQL-backed server, artifacts served by it; the server is killed after the
+    first job: the next jobs fail with one line each, the finished job stays; once the server is back, a re-run does
+    only the missing jobs."""
+    args = ["-m", *TINY, "quant=fp32,16a8w,8a8w", "tracking=server", f"tracking.uri={team_store}",
+            "tracking.experiment=pg_faults", f"cache_dir={tmp_path / 'cache'}"]
+    sweep = subprocess.Popen([sys.executable, "-m", "qexp", *args, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 600
+        while not list((tmp_path / "sweep").glob("*/qexp_job.json")) and time.time() < deadline:
+            time.sleep(0.2)
+        pid = int(Path(services_env["QEXP_SERVICES_DIR"], "mlflow.pid").read_text())
+        os.killpg(pid, signal.SIGKILL)  # the server and its workers, at once
+        _, stderr = sweep.communicate(timeout=900)
+    finally:
+        sweep.kill()
+    assert sweep.returncode != 0
+    errors = [line for line in stderr.splitlines() if line.startswith(("qexp: error:", "qexp: failed"))]
+    assert errors and all(len(line) < 1000 for line in errors), stderr[-3000:]
+
+    restarted = _service("mlflow_server.sh", "start", services_env)
+    assert restarted.returncode == 0, restarted.stderr
+    finished = [r for r in _runs(team_store, "pg_faults")
+                if r.info.status == "FINISHED" and r.data.tags.get("qexp.role") != "sweep"]
+    assert len(finished) >= 1  # the job that finished before the server died is kept, in PostgreSQL
+    client = MlflowClient(team_store)
+    assert "config.yaml" in {a.path for a in client.list_artifacts(finished[0].info.run_id)}  # served artifacts
+    rerun = subprocess.run([sys.executable, "-m", "qexp", *args, f"hydra.sweep.dir={tmp_path / 'rerun'}"],
+                           cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"{len(finished)} skipped" in rerun.stdout
+    jobs = [r for r in _runs(team_store, "pg_faults")
+            if r.info.status == "FINISHED" and r.data.tags.get("qexp.role") != "sweep"]
+    assert len({r.data.tags["config_hash"] for r in jobs}) == 3
+
+
+# One sweep, five SLURM jobs: two that finish, one that raises, two that wait on a cache entry this test holds
+# (a build in progress elsewhere, as far as they know): one reaches its time limit, one is cancelled with scancel.
+JOBS = {
+    "fp32": "quant: {name: fp32}",
+    "a16w8": "defaults:\n  - override /quant: 16a8w",
+    "raises": "eval:\n  limit: 0",  # refused inside the run: FAILED with its reason
+    "times_out": "model:\n  tiny:\n    seed: 101",
+    "cancelled": "model:\n  tiny:\n    seed: 102",
+}
+
+
+def _job_configs(folder: Path) -> Path:
+    group = folder / "slurmtest"
+    group.mkdir(parents=True)
+    for name, body in JOBS.items():
+        (group / f"{name}.yaml").write_text(f"# @package _global_\n{body}\n")
+    return folder
+
+
+def _hold_tiny_model_entries(compose, cache: Path, seeds, release: threading.Event, held: threading.Event):
+    import contextlib
+
+    from qexp.cache import Cache, stable_hash
+    from qexp.models.tiny import tiny_key
+
+    with contextlib.ExitStack() as stack:
+        for seed in seeds:
+            spec = compose(TINY + [f"model.tiny.seed={seed}"], tracked=False).model.tiny
+            stack.enter_context(Cache(cache).lock("tiny", stable_hash(tiny_key(spec))))
+        held.set()
+        release.wait()
+
+
+def test_a_sweep_of_real_slurm_jobs(slurm, team_store, compose, tmp_path):
+    conf, cache = _job_configs(tmp_path / "conf"), tmp_path / "cache"
+    release, held = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold_tiny_model_entries, args=(compose, cache, (101, 102), release, held))
+    holder.start()
+    assert held.wait(120)
+
+    def sweep(folder: str, timeout_min: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "qexp", "-m", *TINY, f"+slurmtest={','.join(JOBS)}", "hydra/launcher=slurm",
+             f"hydra.launcher.timeout_min={timeout_min}", "hydra.launcher.signal_delay_s=30",
+             "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=3", f"hydra.searchpath=[file://{conf}]",
+             f"hydra.sweep.dir={tmp_path / folder}", "tracking=server", f"tracking.uri={team_store}",
+             "tracking.experiment=slurm", f"cache_dir={cache}"],
+            cwd=REPO, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    first = sweep("sweep", timeout_min=1)
+    try:
+        cancelled = None
+        deadline = time.time() + 400
+        while cancelled is None and time.time() < deadline:  # the job waiting on seed 102 has its run: cancel it
+            time.sleep(1)
+            experiment = MlflowClient(team_store).get_experiment_by_name("slurm")
+            runs = _runs(team_store, "slurm") if experiment else []
+            waiting = [r for r in runs if r.info.status == "RUNNING" and r.data.params.get("model.tiny.seed") == "102"]
+            if waiting:
+                cancelled = waiting[0].data.tags.get("qexp.slurm_job_id")
+        assert cancelled, "the job to cancel never started its run"
+        subprocess.run(["scancel", cancelled], env=slurm, check=True)
+        stdout, stderr = first.communicate(timeout=600)
+    finally:
+        first.kill()
+        release.set()
+        holder.join()
+    assert first.returncode == 1, stderr[-3000:]
+    assert "2 finished, 3 failed, 0 skipped" in stdout, stdout[-2000:] + stderr[-2000:]
+
+    runs = [r for r in _runs(team_store, "slurm") if r.data.tags.get("qexp.role") != "sweep"]
+    status = {r.data.tags["qexp.sweep_overrides"].split("slurmtest=")[1].split()[0]: r for r in runs}
+    assert {name: r.info.status for name, r in status.items()} == {
+        "fp32": "FINISHED", "a16w8": "FINISHED", "raises": "FAILED", "times_out": "KILLED", "cancelled": "KILLED"}
+    assert "eval.limit=0" in status["raises"].data.tags["error"]
+    assert "time limit" in status["times_out"].data.tags["qexp.killed_reason"]
+    assert "SLURM job" in status["times_out"].data.tags["qexp.killed_reason"]
+    assert "CANCELLED by" in status["cancelled"].data.tags["qexp.killed_reason"]
+    parent = [r for r in _runs(team_store, "slurm") if r.data.tags.get("qexp.role") == "sweep"][0]
+    assert parent.data.tags["launcher"].endswith("slurm_launcher.SlurmLauncher")
+    assert parent.data.metrics["jobs_total"] == 5 and parent.info.status == "FAILED"
+
+    # the re-run, the cache entries free now and a longer time limit: what finished is skipped, the rest runs
+    rerun = sweep("rerun", timeout_min=5)
+    stdout, stderr = rerun.communicate(timeout=900)
+    assert rerun.returncode == 1 and "2 finished, 1 failed, 2 skipped" in stdout, stdout[-2000:] + stderr[-2000:]
