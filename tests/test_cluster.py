@@ -107,7 +107,7 @@ def test_a_sweep_on_the_postgresql_store_survives_its_server_dying(team_store, s
 JOBS = {
     "fp32": "quant: {name: fp32}",
     "a16w8": "defaults:\n  - override /quant: 16a8w",
-    "raises": "eval:\n  limit: 0",  # refused inside the run: FAILED with its reason
+    "raises": "export:\n  max_context_len: 32",  # shorter than the windows: refused inside the run, FAILED
     "times_out": "model:\n  tiny:\n    seed: 101",
     "cancelled": "model:\n  tiny:\n    seed: 102",
 }
@@ -145,13 +145,13 @@ def test_a_sweep_of_real_slurm_jobs(slurm, team_store, compose, tmp_path):
     def sweep(folder: str, timeout_min: int) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "qexp", "-m", *TINY, f"+slurmtest={','.join(JOBS)}", "hydra/launcher=slurm",
-             f"hydra.launcher.timeout_min={timeout_min}", "hydra.launcher.signal_delay_s=30",
-             "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=3", f"hydra.searchpath=[file://{conf}]",
+             f"hydra.launcher.timeout_min={timeout_min}", "hydra.launcher.signal_delay_s=60",
+             "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=3", "hydra.launcher.array_parallelism=2", f"hydra.searchpath=[file://{conf}]",
              f"hydra.sweep.dir={tmp_path / folder}", "tracking=server", f"tracking.uri={team_store}",
              "tracking.experiment=slurm", f"cache_dir={cache}"],
             cwd=REPO, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    first = sweep("sweep", timeout_min=1)
+    first = sweep("sweep", timeout_min=2)  # the time-limit warning 60 s into each job
     try:
         cancelled = None
         deadline = time.time() + 400
@@ -161,7 +161,8 @@ def test_a_sweep_of_real_slurm_jobs(slurm, team_store, compose, tmp_path):
             runs = _runs(team_store, "slurm") if experiment else []
             waiting = [r for r in runs if r.info.status == "RUNNING" and r.data.params.get("model.tiny.seed") == "102"]
             if waiting:
-                cancelled = waiting[0].data.tags.get("qexp.slurm_job_id")
+                cancelled = waiting[0].data.tags.get("qexp.slurm_job_id")  # ARRAYJOB_TASK
+                assert "_" in cancelled
         assert cancelled, "the job to cancel never started its run"
         subprocess.run(["scancel", cancelled], env=slurm, check=True)
         stdout, stderr = first.communicate(timeout=600)
@@ -176,12 +177,12 @@ def test_a_sweep_of_real_slurm_jobs(slurm, team_store, compose, tmp_path):
     status = {r.data.tags["qexp.sweep_overrides"].split("slurmtest=")[1].split()[0]: r for r in runs}
     assert {name: r.info.status for name, r in status.items()} == {
         "fp32": "FINISHED", "a16w8": "FINISHED", "raises": "FAILED", "times_out": "KILLED", "cancelled": "KILLED"}
-    assert "eval.limit=0" in status["raises"].data.tags["error"]
+    assert "export.max_context_len=32" in status["raises"].data.tags["error"]
     assert "time limit" in status["times_out"].data.tags["qexp.killed_reason"]
     assert "SLURM job" in status["times_out"].data.tags["qexp.killed_reason"]
     assert "CANCELLED by" in status["cancelled"].data.tags["qexp.killed_reason"]
     parent = [r for r in _runs(team_store, "slurm") if r.data.tags.get("qexp.role") == "sweep"][0]
-    assert parent.data.tags["launcher"].endswith("slurm_launcher.SlurmLauncher")
+    assert parent.data.tags["launcher"].endswith("qexp_slurm_launcher.launcher.SlurmLauncher")
     assert parent.data.metrics["jobs_total"] == 5 and parent.info.status == "FAILED"
 
     # the re-run, the cache entries free now and a longer time limit: what finished is skipped, the rest runs

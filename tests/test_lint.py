@@ -9,7 +9,7 @@ import pytest
 
 from helpers import REPO
 
-PATHS = ["qexp", "tests", "benchmarks", "diagnostics", "scripts"]
+PATHS = ["qexp", "hydra_plugins", "tests", "benchmarks", "diagnostics", "scripts"]
 
 
 def test_ruff_reports_nothing():

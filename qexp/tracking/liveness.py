@@ -52,7 +52,9 @@ def owner_tags(pid: Optional[int] = None) -> Dict[str, str]:
     tags = {HOST_TAG: socket.gethostname(), BOOT_TAG: _boot_id(), PID_TAG: str(pid),
             PID_START_TAG: _pid_start(pid) or ""}
     if os.environ.get("SLURM_JOB_ID") and pid == os.getpid():  # `scancel` / `sacct -j` it
-        tags[SLURM_JOB_TAG] = os.environ["SLURM_JOB_ID"]
+        from qexp.tracking.slurm import slurm_job_id
+
+        tags[SLURM_JOB_TAG] = slurm_job_id()
     return tags
 
 

@@ -6,7 +6,10 @@ Hydra's submitit launcher submits the jobs as one array. Two things it leaves op
   job cannot be requeued. Here both end the run KILLED at once, with SLURM's own account of the job (`sacct`) as the
   reason; a job submitit requeues (pre-emption) ends its run KILLED as requeued and exits as submitit wants.
 - In the launching process: a job that died without a word (SIGKILL, a node failure, cancelled while still pending)
-  makes submitit's `results()` raise, which would end the whole sweep with a traceback: `slurm_launcher.py`.
+  makes submitit's `results()` raise, which would end the whole sweep with a traceback and leave the job's run
+  RUNNING. qexp's launcher (hydra_plugins/qexp_slurm_launcher: Hydra finds launchers only there) catches it per job:
+  `end_lost_job` asks `sacct` what happened, ends the job's run KILLED with that reason (if the job got as far as
+  starting one), records the job as failed for the sweep's summary, and lets the other jobs' results stand.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import logging
 import os
 import signal
 import subprocess
-from typing import Optional
+from pathlib import Path
+from typing import Optional, Sequence
 
 log = logging.getLogger("qexp")
 
@@ -23,14 +27,18 @@ log = logging.getLogger("qexp")
 class JobTerminated(BaseException):
     """SLURM is ending this job. A BaseException, like KeyboardInterrupt: no `except Exception` may swallow it."""
 
-    def __init__(self, what: str, exit_code: Optional[int] = None):
+    def __init__(self, what: str, exit_code: Optional[int] = None, time_limit: bool = False):
         super().__init__(what)
         self.what = what
+        self.time_limit = time_limit  # the time-limit warning: the job is still RUNNING for SLURM
         self.exit_code = exit_code  # set: exit with it after the run is ended (submitit requeued the job)
         self.reason = what  # completed from sacct by slurm_reason() once out of the signal handler
 
 
 def slurm_job_id() -> Optional[str]:
+    """This job's id as scancel and sacct take it: ARRAYJOB_TASK for an array task (a sweep), else the job id."""
+    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
     return os.environ.get("SLURM_JOB_ID")
 
 
@@ -53,16 +61,27 @@ def sacct_state(job_id: str) -> Optional[str]:
     return text
 
 
-def _describe(what: str) -> str:
+def squeue_times(job_id: str) -> Optional[str]:
+    """How long the job has run of its time limit, e.g. "ran 0:31 of 1:00", or None."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%M|%l"], capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    used, _, limit = out.partition("|")
+    return f"ran {used} of {limit}" if used and limit else None
+
+
+def _describe(exc: "JobTerminated") -> str:
     job_id = slurm_job_id()
-    state = sacct_state(job_id) if job_id else None
-    return f"{what}; SLURM job {job_id}: {state}" if state else f"{what}; SLURM job {job_id}"
+    account = (squeue_times if exc.time_limit else sacct_state)(job_id) if job_id else None
+    return f"{exc.what}; SLURM job {job_id}: {account}" if account else f"{exc.what}; SLURM job {job_id}"
 
 
 def slurm_reason(exc: BaseException) -> str:
     """The reason a terminated job's run is KILLED, with what sacct says of the job now."""
     if isinstance(exc, JobTerminated):
-        exc.reason = _describe(exc.what)
+        exc.reason = _describe(exc)
         return exc.reason
     return str(exc)
 
@@ -86,6 +105,59 @@ def install_job_signals() -> None:
         except SystemExit as requeued:
             raise JobTerminated("pre-empted by SLURM and requeued by submitit", exit_code=requeued.code) from None
         except Exception as cannot:  # noqa: BLE001 - submitit's UncompletedJobError
-            raise JobTerminated(f"reached its SLURM time limit ({cannot})") from None
+            raise JobTerminated(f"reached its SLURM time limit (USR2 signal_delay_s before it; {cannot})",
+                                time_limit=True) from None
 
     signal.signal(signal.SIGUSR2, on_warning)
+
+
+# ---------------------------------------------------------------- in the launching process
+def end_lost_job(launcher, overrides: Sequence[str], num: int, job, error: BaseException):
+    """A job whose process never reported back: end its run KILLED with SLURM's reason and record it failed."""
+    import mlflow
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from qexp.tracking.liveness import KILLED_TAG
+    from qexp.tracking.sweep import PARENT_TAG, SweepJob, read_sweep_file
+
+    state = sacct_state(job.job_id) or "unknown to sacct"
+    reason = f"SLURM job {job.job_id}: {state} (the job never reported back: {str(error).splitlines()[0][:300]})"
+    sweep_dir = Path(str(launcher.config.hydra.sweep.dir)).resolve()
+    info = read_sweep_file(sweep_dir)
+    run_id = None
+    if info is not None:
+        client = mlflow.MlflowClient(info["tracking_uri"])
+        runs = client.search_runs([info["experiment_id"]], filter_string=(
+            f"tags.`{PARENT_TAG}` = '{info['parent_run_id']}' and tags.`qexp.sweep_job` = '{num}' "
+            "and attributes.status = 'RUNNING'"))
+        for run in runs:
+            run_id = run.info.run_id
+            client.set_tag(run_id, KILLED_TAG, reason[:5000])
+            client.set_tag(run_id, "error", f"KILLED: {reason}"[:5000])
+            client.set_terminated(run_id, "KILLED")
+    job_dir = sweep_dir / str(num)  # hydra.sweep.subdir's default, which the slurm launcher config keeps
+    record = SweepJob(str(info["name"]) if info else "", None, num, job_dir, list(overrides))
+    if not (job_dir / "qexp_job.json").exists():
+        record.record("failed", run_id, None, f"KILLED: {reason}")
+    print(f"qexp: job {num} [{' '.join(overrides)}] KILLED: {reason}", flush=True)
+    ret = JobReturn(overrides=list(overrides), cfg=None, hydra_cfg=None, working_dir=str(job_dir), task_name="")
+    ret.status, ret.return_value = JobStatus.COMPLETED, None  # recorded above: the sweep's summary counts it failed
+    return ret
+
+
+def submission_failed(launcher, error: BaseException) -> BaseException:
+    """sbatch refused the sweep: end the sweep's parent run FAILED with sbatch's words; the error to raise."""
+    import mlflow
+
+    from qexp.errors import QexpError
+    from qexp.tracking.sweep import read_sweep_file
+
+    lines = [line for line in str(error).splitlines() if "error" in line.lower() or "fatal" in line.lower()]
+    message = f"sbatch refused the sweep's jobs: {(lines or str(error).splitlines() or ['?'])[-1].strip()[:500]}"
+    info = read_sweep_file(Path(str(launcher.config.hydra.sweep.dir)).resolve())
+    if info is not None:
+        client = mlflow.MlflowClient(info["tracking_uri"])
+        client.set_tag(info["parent_run_id"], "error", message)
+        client.set_terminated(info["parent_run_id"], "FAILED")
+    return QexpError(message, "check hydra.launcher's partition, time and memory against `sinfo`, and that this host "
+                              "can reach slurmctld (SLURM_CONF)")
