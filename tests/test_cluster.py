@@ -102,14 +102,16 @@ def test_a_sweep_on_the_postgresql_store_survives_its_server_dying(team_store, s
     assert len({r.data.tags["config_hash"] for r in jobs}) == 3
 
 
-# One sweep, five SLURM jobs: two that finish, one that raises, two that wait on a cache entry this test holds
-# (a build in progress elsewhere, as far as they know): one reaches its time limit, one is cancelled with scancel.
+# One sweep, six SLURM jobs: two that finish, one that raises, three that wait on a cache entry this test holds
+# (a build in progress elsewhere, as far as they know): one reaches its time limit, one is cancelled with scancel, one
+# is killed with SIGKILL (as the OOM killer would), so that it cannot say why.
 JOBS = {
     "fp32": "quant: {name: fp32}",
     "a16w8": "defaults:\n  - override /quant: 16a8w",
     "raises": "export:\n  max_context_len: 32",  # shorter than the windows: refused inside the run, FAILED
     "times_out": "model:\n  tiny:\n    seed: 101",
     "cancelled": "model:\n  tiny:\n    seed: 102",
+    "lost": "model:\n  tiny:\n    seed: 103",  # SIGKILLed: it cannot say why; the launcher asks sacct
 }
 
 
@@ -135,10 +137,25 @@ def _hold_tiny_model_entries(compose, cache: Path, seeds, release: threading.Eve
         release.wait()
 
 
+def _slurm_job_of_waiting_run(uri: str, seed: str, timeout: float = 400) -> dict:
+    """The tags (SLURM job as ARRAYJOB_TASK, pid) of the RUNNING run for the tiny model of `seed`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        time.sleep(1)
+        if MlflowClient(uri).get_experiment_by_name("slurm") is None:
+            continue
+        waiting = [r for r in _runs(uri, "slurm") if r.info.status == "RUNNING"
+                   and r.data.params.get("model.tiny.seed") == seed]
+        if waiting:
+            assert "_" in waiting[0].data.tags["qexp.slurm_job_id"]
+            return waiting[0].data.tags
+    raise AssertionError(f"the job for seed {seed} never started its run")
+
+
 def test_a_sweep_of_real_slurm_jobs(slurm, team_store, compose, tmp_path):
     conf, cache = _job_configs(tmp_path / "conf"), tmp_path / "cache"
     release, held = threading.Event(), threading.Event()
-    holder = threading.Thread(target=_hold_tiny_model_entries, args=(compose, cache, (101, 102), release, held))
+    holder = threading.Thread(target=_hold_tiny_model_entries, args=(compose, cache, (101, 102, 103), release, held))
     holder.start()
     assert held.wait(120)
 
@@ -153,39 +170,34 @@ def test_a_sweep_of_real_slurm_jobs(slurm, team_store, compose, tmp_path):
 
     first = sweep("sweep", timeout_min=2)  # the time-limit warning 60 s into each job
     try:
-        cancelled = None
-        deadline = time.time() + 400
-        while cancelled is None and time.time() < deadline:  # the job waiting on seed 102 has its run: cancel it
-            time.sleep(1)
-            experiment = MlflowClient(team_store).get_experiment_by_name("slurm")
-            runs = _runs(team_store, "slurm") if experiment else []
-            waiting = [r for r in runs if r.info.status == "RUNNING" and r.data.params.get("model.tiny.seed") == "102"]
-            if waiting:
-                cancelled = waiting[0].data.tags.get("qexp.slurm_job_id")  # ARRAYJOB_TASK
-                assert "_" in cancelled
-        assert cancelled, "the job to cancel never started its run"
-        subprocess.run(["scancel", cancelled], env=slurm, check=True)
+        subprocess.run(["scancel", _slurm_job_of_waiting_run(team_store, "102")["qexp.slurm_job_id"]], env=slurm,
+                       check=True)
+        os.kill(int(_slurm_job_of_waiting_run(team_store, "103")["qexp.pid"]), signal.SIGKILL)  # as the OOM killer
         stdout, stderr = first.communicate(timeout=600)
     finally:
         first.kill()
         release.set()
         holder.join()
     assert first.returncode == 1, stderr[-3000:]
-    assert "2 finished, 3 failed, 0 skipped" in stdout, stdout[-2000:] + stderr[-2000:]
+    assert "2 finished, 4 failed, 0 skipped" in stdout, stdout[-2000:] + stderr[-2000:]
 
     runs = [r for r in _runs(team_store, "slurm") if r.data.tags.get("qexp.role") != "sweep"]
     status = {r.data.tags["qexp.sweep_overrides"].split("slurmtest=")[1].split()[0]: r for r in runs}
     assert {name: r.info.status for name, r in status.items()} == {
-        "fp32": "FINISHED", "a16w8": "FINISHED", "raises": "FAILED", "times_out": "KILLED", "cancelled": "KILLED"}
+        "fp32": "FINISHED", "a16w8": "FINISHED", "raises": "FAILED", "times_out": "KILLED", "cancelled": "KILLED",
+        "lost": "KILLED"}
     assert "export.max_context_len=32" in status["raises"].data.tags["error"]
     assert "time limit" in status["times_out"].data.tags["qexp.killed_reason"]
     assert "SLURM job" in status["times_out"].data.tags["qexp.killed_reason"]
     assert "CANCELLED by" in status["cancelled"].data.tags["qexp.killed_reason"]
+    # the lost job's run: ended by its watchdog or by the launcher, whichever came first; the launcher records the job
+    assert status["lost"].data.tags["qexp.killed_reason"]
+    assert "+slurmtest=lost" in stderr and "never reported back" in stderr
     parent = [r for r in _runs(team_store, "slurm") if r.data.tags.get("qexp.role") == "sweep"][0]
     assert parent.data.tags["launcher"].endswith("qexp_slurm_launcher.launcher.SlurmLauncher")
-    assert parent.data.metrics["jobs_total"] == 5 and parent.info.status == "FAILED"
+    assert parent.data.metrics["jobs_total"] == 6 and parent.info.status == "FAILED"
 
     # the re-run, the cache entries free now and a longer time limit: what finished is skipped, the rest runs
     rerun = sweep("rerun", timeout_min=5)
     stdout, stderr = rerun.communicate(timeout=900)
-    assert rerun.returncode == 1 and "2 finished, 1 failed, 2 skipped" in stdout, stdout[-2000:] + stderr[-2000:]
+    assert rerun.returncode == 1 and "3 finished, 1 failed, 2 skipped" in stdout, stdout[-2000:] + stderr[-2000:]
