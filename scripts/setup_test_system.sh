@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# System packages the test suite uses beyond Python's: Chromium, for the MLflow UI screenshots (tests/test_ui.py), and
+# System packages the test suite uses beyond Python's: Chromium, for the MLflow UI screenshots (tests/test_ui.py);
 # r-cran-janeaustenr, Jane Austen's novels for text=austen (tests/test_text.py; read without R, but apt pulls in
-# r-base-core: ~55 MB installed). Each is installed from Debian's packages when missing and this user can; otherwise
+# r-base-core: ~55 MB installed); PostgreSQL and SLURM (slurm-wlm, slurmdbd, munge, MariaDB for slurmdbd) for
+# tests/test_cluster.py, which starts them through scripts/services/ (those scripts install them on demand too). Each is installed from Debian's packages when missing and this user can; otherwise
 # one line says how, and those tests skip with that reason.
 set -uo pipefail
 
@@ -30,4 +31,12 @@ if [ ! -f /usr/lib/R/site-library/janeaustenr/data/Rdata.rdb ] \
     && [ ! -f /usr/local/lib/R/site-library/janeaustenr/data/Rdata.rdb ]; then
   install_debian r-cran-janeaustenr "the text=austen tests"
 fi
+if [ ! -x /usr/lib/postgresql/15/bin/postgres ] && ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
+  install_debian postgresql "the team-store tests"
+fi
+for pair in slurmctld:slurm-wlm slurmdbd:slurmdbd munged:munge mariadbd:mariadb-server; do
+  if ! command -v "${pair%%:*}" >/dev/null 2>&1 && [ ! -x "/usr/sbin/${pair%%:*}" ]; then
+    install_debian "${pair#*:}" "the SLURM tests"
+  fi
+done
 exit 0
