@@ -154,6 +154,7 @@ def main() -> None:
     parser.add_argument("--store", default=None, help="where to log the benchmark (default: the embedded store)")
     args = parser.parse_args()
     stores = args.stores.split(",")
+    import qexp  # noqa: F401 - the environment a qexp job logs with (MLflow's telemetry off)
     import mlflow  # noqa: F401 - imported once here, shared by the forked writers
     rows = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed benchmark still stops its server

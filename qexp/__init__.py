@@ -7,6 +7,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# MLflow's usage telemetry: a thread that posts to the internet (unreachable offline) and sets and unsets an
+# environment variable while `requests` reads the environment, which failed requests to a tracking server with
+# KeyError '_MLFLOW_TELEMETRY_SESSION_ID' under load (benchmarks/bench_store_writers.py).
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 # The same numbers on every x86-64 host: PyTorch picks its CPU kernels by the host's instruction set (DEFAULT,
 # AVX2, AVX512), and the QDQ program's fake quantization turns their last-bit differences into different rounding:
