@@ -22,7 +22,7 @@ import time
 
 import pandas as pd
 
-from common import REPO, benchmark_run
+from common import REPO, benchmark_run, write_result
 
 TINY = ["model=tiny", "eval.seq_len=64", "eval.limit=3", "calibration.limit=3"]
 QUANTS = ["fp32", "16a8w", "8a8w", "16a4w", "8a4w", "16a16w"]
@@ -39,6 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=4)
     parser.add_argument("--store", default=None, help="where to log the benchmark (default: the embedded store)")
+    parser.add_argument("--write-results", action="store_true", help="also write results/slurm_overhead.md")
     args = parser.parse_args()
     from mlflow.tracking import MlflowClient
 
@@ -104,6 +105,17 @@ def main() -> None:
                             "median_startup_s": median_startup,
                             "median_submit_to_run_s": statistics.median(table["submit_to_run_s"])})
         mlflow.log_text(table.to_csv(index=False), "slurm_overhead.csv")
+    if args.write_results:
+        write_result("slurm_overhead", table, " ".join(["benchmarks/bench_slurm_overhead.py", *sys.argv[1:]]),
+                     notes(plain_startup))
+
+
+def notes(plain_startup: float) -> list:
+    return ["queue_s: sacct Submit -> Start (SLURM's scheduling, and waiting for a free slot: 2 jobs at a time on 2 "
+            "cores); startup_s: Start -> the MLflow run's start (Python, torch, ExecuTorch, Hydra, the store); "
+            "run_s: the run itself (tiny model, 3 windows).",
+            f"A plain `python -m qexp` process, launch -> run start, in the same benchmark run: {plain_startup:.1f} s.",
+            "Single-node cluster from scripts/services/slurm.sh (slurm-wlm 22.05, sched_interval=2)."]
 
 
 if __name__ == "__main__":

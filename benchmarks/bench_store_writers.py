@@ -26,10 +26,17 @@ from pathlib import Path
 
 import pandas as pd
 
-from common import REPO, benchmark_run
+from common import REPO, benchmark_run, write_result
 
 
 METRICS_PER_RUN = 60
+NOTES = ["Each writer is a process logging what one qexp run logs (~150 params, ~40 tags, 60 metrics, two text "
+         "artifacts), `runs_expected / writers` runs each, all released at once; runs and metrics counted afterwards.",
+         "sqlite: the embedded store's file (MLflow's sqlite backend, 5 s lock timeout). postgresql: "
+         "`scripts/services/mlflow_server.sh` (MLflow server, 4 workers, artifacts served, PostgreSQL 15), on the "
+         "same machine.",
+         "runs_per_s: FINISHED runs per second of wall time; a ratio between rows holds only within one run of "
+         "the benchmark."]
 
 
 def _write_runs(client, experiment_id: str, runs: int) -> None:
@@ -152,6 +159,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs per writer")
     parser.add_argument("--stores", default="sqlite,postgresql", help="sqlite and/or postgresql")
     parser.add_argument("--store", default=None, help="where to log the benchmark (default: the embedded store)")
+    parser.add_argument("--write-results", action="store_true", help="also write results/store_writers.md")
     args = parser.parse_args()
     stores = args.stores.split(",")
     import qexp  # noqa: F401 - the environment a qexp job logs with (MLflow's telemetry off)
@@ -186,6 +194,9 @@ def main() -> None:
                                 f"{row['store']}_failed_writers_{row['writers']}w": row["failed_writers"],
                                 f"{row['store']}_wall_s_{row['writers']}w": row["wall_s"]})
         mlflow.log_text(table.to_csv(index=False), "store_writers.csv")
+    if args.write_results:
+        write_result("store_writers", table, " ".join(["benchmarks/bench_store_writers.py", *sys.argv[1:]]),
+                     NOTES)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,26 @@ def benchmark_run(store: str, run_name: str, benchmark: str, tags: dict):
         yield run
 
 
+def write_result(name: str, table, command: str, notes: list[str]) -> Path:
+    """A benchmark's table as `results/<name>.md` (with the command, commit, host and date that made it) and `.csv`."""
+    import platform
+    import socket
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    out = REPO / "results" / f"{name}.md"
+    header = [f"<!-- written by: {command} -->", f"# {name}", "",
+              f"`{command}` at commit `{commit}` on {socket.gethostname()} ({cpu}, {os.cpu_count()} cores), "
+              f"{time.strftime('%Y-%m-%d')}.", ""]
+    body = header + [table.fillna("").to_markdown(index=False), ""] + [f"- {n}" for n in notes]
+    out.write_text("\n".join(body) + "\n")
+    table.to_csv(out.with_suffix(".csv"), index=False)
+    print(f"[bench] wrote {out.relative_to(REPO)}", flush=True)
+    return out
+
+
 @dataclass
 class LinearInputs:
     """One quantized linear of a decoder layer with its float inputs: on the calibration samples and on held-out

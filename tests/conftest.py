@@ -93,7 +93,8 @@ def mlflow_server(tmp_path):
 
 # The longest files first, so that with two pytest workers (make test: -n 2 --dist loadfile) neither waits at the end
 # on a long file the other could have shared the run with (test_smollm2: one real SmolLM2 HTP compile).
-LONGEST_FIRST = ("test_smollm2.py", "test_htp.py", "test_families.py", "test_xnnpack.py", "test_reliability.py",
+LONGEST_FIRST = ("test_smollm2.py", "test_htp.py", "test_families.py", "test_cluster.py", "test_xnnpack.py",
+                 "test_reliability.py",
                  "test_faults.py", "test_sweep.py", "test_speed.py")
 
 

@@ -1,5 +1,5 @@
 """qexp's SLURM launcher (`hydra/launcher=slurm`): Hydra's submitit SLURM launcher, except that a job lost on the
-cluster does not take the sweep down (qexp/tracking/slurm.py says what becomes of it). It lives here because Hydra
+cluster does not take the sweep down (qexp/tracking/slurm_sweep.py says what becomes of it). It lives here because Hydra
 instantiates launchers only from the `hydra_plugins` namespace package."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any, List, Sequence
 
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as UpstreamSlurmLauncher
 
-from qexp.tracking.slurm import end_lost_job, submission_failed
+from qexp.tracking.slurm_sweep import end_lost_job, submission_failed
 
 
 class SlurmLauncher(UpstreamSlurmLauncher):

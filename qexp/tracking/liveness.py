@@ -47,13 +47,19 @@ def _pid_start(pid: int) -> Optional[str]:
     return fields[19]
 
 
+def slurm_job_id() -> Optional[str]:
+    """This SLURM job's id as scancel and sacct take it: ARRAYJOB_TASK for an array task (a sweep), else the job id;
+    None outside SLURM."""
+    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
 def owner_tags(pid: Optional[int] = None) -> Dict[str, str]:
     pid = pid or os.getpid()
     tags = {HOST_TAG: socket.gethostname(), BOOT_TAG: _boot_id(), PID_TAG: str(pid),
             PID_START_TAG: _pid_start(pid) or ""}
     if os.environ.get("SLURM_JOB_ID") and pid == os.getpid():  # `scancel` / `sacct -j` it
-        from qexp.tracking.slurm import slurm_job_id
-
         tags[SLURM_JOB_TAG] = slurm_job_id()
     return tags
 

@@ -7,19 +7,19 @@ Hydra's submitit launcher submits the jobs as one array. Two things it leaves op
   reason; a job submitit requeues (pre-emption) ends its run KILLED as requeued and exits as submitit wants.
 - In the launching process: a job that died without a word (SIGKILL, a node failure, cancelled while still pending)
   makes submitit's `results()` raise, which would end the whole sweep with a traceback and leave the job's run
-  RUNNING. qexp's launcher (hydra_plugins/qexp_slurm_launcher: Hydra finds launchers only there) catches it per job:
-  `end_lost_job` asks `sacct` what happened, ends the job's run KILLED with that reason (if the job got as far as
-  starting one), records the job as failed for the sweep's summary, and lets the other jobs' results stand.
+  RUNNING. qexp's launcher (hydra_plugins/qexp_slurm_launcher: Hydra finds launchers only there) catches it per
+  job: `slurm_sweep.end_lost_job` asks `sacct` what happened, ends the job's run KILLED with that reason (if the job
+  got as far as starting one), records the job as failed for the sweep's summary, and lets the others' results stand.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
-from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
+
+from qexp.tracking.liveness import slurm_job_id
 
 log = logging.getLogger("qexp")
 
@@ -33,13 +33,6 @@ class JobTerminated(BaseException):
         self.time_limit = time_limit  # the time-limit warning: the job is still RUNNING for SLURM
         self.exit_code = exit_code  # set: exit with it after the run is ended (submitit requeued the job)
         self.reason = what  # completed from sacct by slurm_reason() once out of the signal handler
-
-
-def slurm_job_id() -> Optional[str]:
-    """This job's id as scancel and sacct take it: ARRAYJOB_TASK for an array task (a sweep), else the job id."""
-    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
-        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    return os.environ.get("SLURM_JOB_ID")
 
 
 def sacct_state(job_id: str) -> Optional[str]:
@@ -109,55 +102,3 @@ def install_job_signals() -> None:
                                 time_limit=True) from None
 
     signal.signal(signal.SIGUSR2, on_warning)
-
-
-# ---------------------------------------------------------------- in the launching process
-def end_lost_job(launcher, overrides: Sequence[str], num: int, job, error: BaseException):
-    """A job whose process never reported back: end its run KILLED with SLURM's reason and record it failed."""
-    import mlflow
-    from hydra.core.utils import JobReturn, JobStatus
-
-    from qexp.tracking.liveness import KILLED_TAG
-    from qexp.tracking.sweep import PARENT_TAG, SweepJob, read_sweep_file
-
-    state = sacct_state(job.job_id) or "unknown to sacct"
-    reason = f"SLURM job {job.job_id}: {state} (the job never reported back: {str(error).splitlines()[0][:300]})"
-    sweep_dir = Path(str(launcher.config.hydra.sweep.dir)).resolve()
-    info = read_sweep_file(sweep_dir)
-    run_id = None
-    if info is not None:
-        client = mlflow.MlflowClient(info["tracking_uri"])
-        runs = client.search_runs([info["experiment_id"]], filter_string=(
-            f"tags.`{PARENT_TAG}` = '{info['parent_run_id']}' and tags.`qexp.sweep_job` = '{num}' "
-            "and attributes.status = 'RUNNING'"))
-        for run in runs:
-            run_id = run.info.run_id
-            client.set_tag(run_id, KILLED_TAG, reason[:5000])
-            client.set_tag(run_id, "error", f"KILLED: {reason}"[:5000])
-            client.set_terminated(run_id, "KILLED")
-    job_dir = sweep_dir / str(num)  # hydra.sweep.subdir's default, which the slurm launcher config keeps
-    record = SweepJob(str(info["name"]) if info else "", None, num, job_dir, list(overrides))
-    if not (job_dir / "qexp_job.json").exists():
-        record.record("failed", run_id, None, f"KILLED: {reason}")
-    print(f"qexp: job {num} [{' '.join(overrides)}] KILLED: {reason}", flush=True)
-    ret = JobReturn(overrides=list(overrides), cfg=None, hydra_cfg=None, working_dir=str(job_dir), task_name="")
-    ret.status, ret.return_value = JobStatus.COMPLETED, None  # recorded above: the sweep's summary counts it failed
-    return ret
-
-
-def submission_failed(launcher, error: BaseException) -> BaseException:
-    """sbatch refused the sweep: end the sweep's parent run FAILED with sbatch's words; the error to raise."""
-    import mlflow
-
-    from qexp.errors import QexpError
-    from qexp.tracking.sweep import read_sweep_file
-
-    lines = [line for line in str(error).splitlines() if "error" in line.lower() or "fatal" in line.lower()]
-    message = f"sbatch refused the sweep's jobs: {(lines or str(error).splitlines() or ['?'])[-1].strip()[:500]}"
-    info = read_sweep_file(Path(str(launcher.config.hydra.sweep.dir)).resolve())
-    if info is not None:
-        client = mlflow.MlflowClient(info["tracking_uri"])
-        client.set_tag(info["parent_run_id"], "error", message)
-        client.set_terminated(info["parent_run_id"], "FAILED")
-    return QexpError(message, "check hydra.launcher's partition, time and memory against `sinfo`, and that this host "
-                              "can reach slurmctld (SLURM_CONF)")
