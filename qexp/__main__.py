@@ -43,7 +43,11 @@ def main(cfg: DictConfig) -> float | None:
         print("qexp: interrupted", file=sys.stderr)
         sys.exit(130)
     except JobTerminated as ended:
+        from qexp.tracking.slurm import slurm_reason
+
         run_id = getattr(ended, "run_id", None)
+        if ended.reason == ended.what:  # ended before a run could say why: ask SLURM now
+            slurm_reason(ended)
         print(redact_text(f"qexp: error: run {run_id} KILLED: {ended.reason}"), file=sys.stderr)
         if job is not None:
             job.record("failed", run_id, getattr(ended, "config_hash", None), f"KILLED: {ended.reason}")

@@ -168,7 +168,8 @@ def test_a_sweep_of_real_slurm_jobs(slurm, team_store, compose, tmp_path):
              "tracking.experiment=slurm", f"cache_dir={cache}"],
             cwd=REPO, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    first = sweep("sweep", timeout_min=2)  # the time-limit warning 60 s into each job
+    # the time-limit warning ~120 s into each job (SLURM checks every ~30 s): the others need ~20-50 s under load
+    first = sweep("sweep", timeout_min=3)
     try:
         subprocess.run(["scancel", _slurm_job_of_waiting_run(team_store, "102")["qexp.slurm_job_id"]], env=slurm,
                        check=True)

@@ -36,22 +36,18 @@ class JobTerminated(BaseException):
 
 
 def sacct_state(job_id: str) -> Optional[str]:
-    """SLURM's account of a job, e.g. "CANCELLED by 0", "TIMEOUT", "FAILED (exit 1:0)", or None if unknown."""
+    """SLURM's account of a job, e.g. "CANCELLED by 0", "TIMEOUT", "FAILED, exit code 9:0", or None if unknown."""
     try:
-        out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", str(job_id), "-o", "State,Reason,ExitCode"],
+        out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", str(job_id), "-o", "State,ExitCode"],
                              capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = [line.split("|") for line in out.splitlines() if line.strip()]
     if not lines:
         return None
-    state, reason, exit_code = (lines[-1] + ["", "", ""])[:3]
-    text = state
-    if reason and reason != "None":
-        text += f" ({reason})"
-    if exit_code and exit_code != "0:0":
-        text += f", exit code {exit_code}"
-    return text
+    # not sacct's Reason: for a finished job it is the last reason it was pending for (e.g. JobArrayTaskLimit)
+    state, exit_code = (lines[-1] + ["", ""])[:2]
+    return f"{state}, exit code {exit_code}" if exit_code and exit_code != "0:0" else state
 
 
 def squeue_times(job_id: str) -> Optional[str]:
