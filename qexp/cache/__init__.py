@@ -162,22 +162,12 @@ class Cache:
     @contextlib.contextmanager
     def lock(self, kind: str, key: str) -> Iterator[None]:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # owner only: entries hold user models and data
-        from qexp.cache.lock import CacheLockTimeout, EntryLock
+        from qexp.cache.lock import EntryLock
 
         lock_dir = self.root / kind
         lock_dir.mkdir(parents=True, exist_ok=True)
-        entry_lock = EntryLock(lock_path(lock_dir, key), f"{kind} cache entry {key}", self.lock_timeout_s)
-        try:
-            entry_lock.acquire()
-        except CacheLockTimeout as exc:
-            from qexp.errors import CacheLockError
-
-            raise CacheLockError(str(exc), f"raise cache.lock_timeout_s, or, if that job is gone for good, delete "
-                                 f"{entry_lock.path}") from None
-        try:
+        with EntryLock(lock_path(lock_dir, key), f"{kind} cache entry {key}", self.lock_timeout_s):
             yield
-        finally:
-            entry_lock.release()
 
     def get_or_build(self, kind: str, key: str, build: Callable[[Path], dict | None]) -> tuple[Path, bool]:
         """Return (entry directory, hit). `build(tmp_dir)` writes the entry's files and may return metadata."""

@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from qexp.errors import CacheLockError
+from qexp.tracking.liveness import pid_start
+
 log = logging.getLogger("qexp")
 
 HEARTBEAT_S = 10.0
@@ -29,27 +32,10 @@ STALE_AFTER_S = 90.0  # several missed heartbeats: the holder's host is down, or
 REPORT_EVERY_S = 300.0  # a waiter says whom it waits for at first and then every REPORT_EVERY_S
 
 
-class CacheLockTimeout(Exception):
-    """Converted to a QexpError by the caller (qexp.errors is above this module)."""
-
-
-def _process_start(pid: int) -> Optional[str]:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat): tells a reused pid apart."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _alive(pid: int, start: Optional[str]) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: it exists
-        return True
-    return start is None or _process_start(pid) in (None, start)
+def _gone(holder: dict) -> bool:
+    """Whether a holder on this host has died: its pid is gone, a zombie, or now another process (start time)."""
+    now = pid_start(holder["pid"])
+    return now is None or (holder.get("start") is not None and now != holder["start"])
 
 
 def describe(holder: dict) -> str:
@@ -65,7 +51,7 @@ class EntryLock:
         self.timeout_s = timeout_s
         self.stale_after_s = stale_after_s
         self.heartbeat_s = heartbeat_s
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid()),
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "start": pid_start(os.getpid()),
                    "token": secrets.token_hex(8)}
         self._stop = threading.Event()
         self._beat: Optional[threading.Thread] = None
@@ -107,7 +93,9 @@ class EntryLock:
                 return False
             waited = time.monotonic() - began
             if self.timeout_s is not None and waited >= self.timeout_s:
-                raise CacheLockTimeout(f"waited {waited:.0f} s for the {self.what}, held by {describe(holder)}")
+                raise CacheLockError(
+                    f"waited {waited:.0f} s for the {self.what}, held by {describe(holder)}",
+                    f"raise cache.lock_timeout_s, or, if that job is gone for good, delete {self.path}")
             if reported is None or waited - reported >= REPORT_EVERY_S:
                 log.info("cache: waiting for the %s, being built by %s", self.what, describe(holder))
                 reported = waited
@@ -151,7 +139,7 @@ class EntryLock:
 
     def _stale(self, holder: dict) -> bool:
         if holder.get("host") == self.me["host"] and isinstance(holder.get("pid"), int):
-            return not _alive(holder["pid"], holder.get("start"))
+            return _gone(holder)
         return time.time() - holder["mtime"] > self.stale_after_s
 
     def _take_over(self, stale: dict) -> None:

@@ -34,7 +34,7 @@ def _boot_id() -> str:
         return ""
 
 
-def _pid_start(pid: int) -> Optional[str]:
+def pid_start(pid: int) -> Optional[str]:
     """Start time of `pid` in clock ticks since boot (field 22 of /proc/<pid>/stat), None if no such process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -58,7 +58,7 @@ def slurm_job_id() -> Optional[str]:
 def owner_tags(pid: Optional[int] = None) -> Dict[str, str]:
     pid = pid or os.getpid()
     tags = {HOST_TAG: socket.gethostname(), BOOT_TAG: _boot_id(), PID_TAG: str(pid),
-            PID_START_TAG: _pid_start(pid) or ""}
+            PID_START_TAG: pid_start(pid) or ""}
     if os.environ.get("SLURM_JOB_ID") and pid == os.getpid():  # `scancel` / `sacct -j` it
         tags[SLURM_JOB_TAG] = slurm_job_id()
     return tags
@@ -74,7 +74,7 @@ def death_reason(tags: Dict[str, str], dead_pid: Optional[int] = None) -> Option
         return f"its process {pid} on {host} died without ending the run (killed, out of memory, or a native crash)"
     if tags.get(BOOT_TAG) and tags[BOOT_TAG] != _boot_id():
         return f"host {host} rebooted since the run started (power loss or reboot)"
-    start = _pid_start(int(pid))
+    start = pid_start(int(pid))
     if start is None:
         return f"its process {pid} on {host} is gone (killed, out of memory, or a native crash)"
     if tags.get(PID_START_TAG) and start != tags[PID_START_TAG]:
