@@ -158,8 +158,10 @@ def transform(state) -> None:
     if not transforms:
         state.deploy_model, state.static = state.model, state.fp_static
         return
-    context = TransformContext(state.cfg, state.calibration, state.cache, state.timer)
+    context = TransformContext(state.cfg, state.calibration, state.cache, state.timer, reference=state.model)
     model = apply_transforms(state.model, transforms, context)
+    for outputs in context.outputs.values():
+        _log_transform_outputs(state, outputs)
     state.tags.update({f"transform_cache_hit.{name}": str(hit).lower() for name, hit in context.cache_hits.items()})
     static = StaticLlama.for_model_config(model, state.cfg.export.max_context_len, state.cfg.model)
     with state.timer.stage("eval_fp_transformed"):
@@ -175,6 +177,21 @@ def transform(state) -> None:
     state.tags.update({"algorithm": algorithm_label(transforms), "model_sha256_transformed": model.fingerprint})
     log.info("transforms %s: float ppl %.4f (untransformed %.4f)", ",".join(model.transforms),
              state.metrics["ppl_fp_transformed"], state.metrics["ppl_fp"])
+
+
+def _log_transform_outputs(state, outputs: dict) -> None:
+    """What a transform reports about itself (QAT: loss curves by step, its training text, summary metrics)."""
+    state.metrics.update(outputs.get("metrics", {}))
+    state.tags.update(outputs.get("tags", {}))
+    if state.tracked and outputs.get("metric_history"):
+        from qexp.tracking.store import Tracker
+
+        Tracker.metric_history(outputs["metric_history"])
+    dataset = outputs.get("dataset")
+    if dataset:
+        state.log_dataset({"input_ids": np.asarray(dataset["ids"])}, dataset["name"], dataset["digest"],
+                          state.corpus.location if state.corpus is not None else "", dataset["context"],
+                          **dataset.get("tags", {}))
 
 
 def qdq(state) -> None:

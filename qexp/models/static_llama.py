@@ -55,6 +55,12 @@ def _rope_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.view(heads, -1, rows // heads // 2, 2, cols).transpose(2, 3).reshape(rows, cols)
 
 
+def _rope_unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of `_rope_permute`: rotate-half rows -> Meta's interleaved order."""
+    rows, cols = w.shape
+    return w.view(heads, -1, 2, rows // heads // 2, cols).transpose(2, 3).reshape(rows, cols)
+
+
 def _to_rope_layout(state_dict: dict, n_layers: int, n_heads: int, n_kv_heads: int) -> dict:
     out = dict(state_dict)
     for i in range(n_layers):
@@ -136,6 +142,15 @@ class StaticLlama:
             heads = self.args.n_heads if key.endswith("wq.weight") else self.args.n_kv_heads
             value = _rope_permute(value, heads)
         return static_module_path(key) + ".weight", value
+
+    def meta_layout(self, key: str, value: torch.Tensor) -> torch.Tensor:
+        """The inverse of `static_layout` for the Meta key `key`: this module's tensor (a conv weight [out, in, 1, 1],
+        or per-row ranges) -> Meta layout ([out, in], q/k rows back in Meta's order when the arch permuted them)."""
+        value = value.reshape(value.shape[0], -1)
+        if self.transform_weight and key.endswith(("attention.wq.weight", "attention.wk.weight")):
+            heads = self.args.n_heads if key.endswith("wq.weight") else self.args.n_kv_heads
+            value = _rope_unpermute(value, heads)
+        return value
 
     @torch.no_grad()
     def update_weights(self, updates: dict) -> None:

@@ -290,6 +290,18 @@ class Tracker:
         mlflow.log_metrics({k: float(v) for k, v in values.items() if v is not None})
 
     @staticmethod
+    def metric_history(curves: Dict[str, list]) -> None:
+        """Metrics with steps ({name: [(step, value), ...]}, e.g. QAT's loss curves): the UI plots them by step."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(name, float(value), now, int(step)) for name, points in curves.items()
+                   for step, value in points]
+        client, run_id = mlflow.MlflowClient(), mlflow.active_run().info.run_id
+        for i in range(0, len(metrics), 1000):  # MLflow's limit per batch
+            client.log_batch(run_id, metrics=metrics[i:i + 1000])
+
+    @staticmethod
     def text(content: str, path: str) -> None:
         mlflow.log_text(redact_text(content), path)
 

@@ -16,7 +16,7 @@ from qexp.transforms.base import (
 )
 
 # the algorithms (importing registers them)
-from qexp.transforms import awq, gptq, rotation, smoothquant, weight_clip  # noqa: E402,F401
+from qexp.transforms import awq, gptq, qat, rotation, smoothquant, weight_clip  # noqa: E402,F401
 from qexp.quant import seq_mse  # noqa: E402,F401
 
 __all__ = ["TRANSFORMS", "CalibrationAlgorithm", "calibration_algorithms", "model_transforms",

@@ -46,6 +46,11 @@ class TransformContext:
     cache: "Cache"
     timer: "StageTimer"
     cache_hits: Dict[str, bool] = dataclasses.field(default_factory=dict)  # transform name -> result from cache
+    reference: Optional["LoadedModel"] = None  # the untransformed float model (QAT's teacher)
+    key: str = ""  # the fingerprint of the transform being applied (what a resumable one names its checkpoint by)
+    # transform name -> what the run logs about it (QAT's loss curves, training text, metrics); kept with a cached
+    # result, so a cache hit logs the same
+    outputs: Dict[str, dict] = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -208,6 +213,7 @@ def apply_transforms(model: "LoadedModel", transforms: List[ModelTransform],
                                   "use a calibration set with samples (calibration.limit >= 1)")
             key["calibration"] = context.calibration.sha256
         fingerprint = stable_hash([model.fingerprint, key], length=64)
+        context.key = fingerprint
         with context.timer.stage(f"transform_{transform.name}"):
             if transform.cacheable:
                 transformed = _cached_apply(transform, model, context, fingerprint)
@@ -236,7 +242,8 @@ def _cached_apply(transform: ModelTransform, model: "LoadedModel", context: Tran
     def build(tmp):
         result = transform.apply(model, context)
         changed = {k: v.contiguous() for k, v in result.state_dict.items() if v is not model.state_dict.get(k)}
-        torch.save({"state_dict": changed, "weight_ranges": dict(result.weight_ranges)}, tmp / "transform.pt")
+        torch.save({"state_dict": changed, "weight_ranges": dict(result.weight_ranges),
+                    "outputs": context.outputs.get(transform.name)}, tmp / "transform.pt")
         computed["model"] = result
         return {"transform": transform.name, "changed_tensors": len(changed)}
 
@@ -245,5 +252,7 @@ def _cached_apply(transform: ModelTransform, model: "LoadedModel", context: Tran
     if not hit:
         return computed["model"]
     saved = torch.load(path / "transform.pt", weights_only=True, mmap=True)
+    if saved.get("outputs") is not None:
+        context.outputs[transform.name] = saved["outputs"]
     return dataclasses.replace(model, state_dict={**model.state_dict, **saved["state_dict"]},
                                weight_ranges=saved["weight_ranges"])

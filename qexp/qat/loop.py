@@ -1,0 +1,191 @@
+"""The QAT training loop: distillation from the float model (KL at a temperature, plus cross-entropy on the text's
+next tokens), AdamW with linear warm-up and cosine decay, gradient accumulation and clipping, validation on a held-out
+slice of the calibration half, early stopping on it (the best validated weights are kept, the starting point
+included), and a checkpoint after every validation so a killed run resumes where it stopped.
+
+The losses and the schedule are upstream's (ExecuTorch's Qualcomm LLM example, `train/loss.py`, `train/utils.py`:
+what its `--qat` trains with); the loop is written here because upstream's (`train/trainer.py` BaseTrainer) runs on
+CPU only, validates once per epoch, reports to the logger only and cannot resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+from executorch.examples.qualcomm.oss_scripts.llama.dataset.constants import LABEL_IGNORE_INDEX
+from executorch.examples.qualcomm.oss_scripts.llama.train.loss import CrossEntropyLoss, KLDivergenceLoss
+from executorch.examples.qualcomm.oss_scripts.llama.train.utils import get_warmup_cosine_lr
+from torch import nn
+from tqdm import tqdm
+
+log = logging.getLogger("qexp")
+
+CHECKPOINT_VERSION = 1
+
+
+@dataclass
+class LoopSettings:
+    steps: int  # optimizer steps
+    grad_accum: int  # sequences per step
+    lr: float
+    warmup: float  # fraction of the steps
+    alpha: float  # KD weight; 1 - alpha weighs cross-entropy
+    temperature: float
+    max_grad_norm: float
+    weight_decay: float
+    eval_every: int  # steps between validations
+    patience: int  # validations without improvement before stopping (0: never stop early)
+    device: torch.device
+
+
+@dataclass
+class History:
+    train: List[dict] = field(default_factory=list)  # per step: step, kd, ce, lr
+    validation: List[dict] = field(default_factory=list)  # per validation: step, kd, ce, loss
+    best_step: int = 0
+    stopped_early: bool = False
+    resumed_from: int = 0  # the step a checkpoint resumed training at (0: trained from the start)
+    seconds: float = 0.0  # training time of this process (a resumed run counts its own part)
+
+
+def next_token_labels(ids: torch.Tensor) -> torch.Tensor:
+    """Labels for upstream's losses: position t predicts token t+1; the last position has none."""
+    return torch.cat([ids[1:], torch.tensor([LABEL_IGNORE_INDEX], dtype=ids.dtype)])
+
+
+def train(student: nn.Module, teacher: nn.Module, forward: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+          train_ids: torch.Tensor, validation_ids: torch.Tensor, settings: LoopSettings,
+          checkpoint: Optional[Path] = None) -> History:
+    """Train `student`'s parameters that require grad in place. `forward(module, ids [T])` returns logits [T, V] on
+    `settings.device`. On return the student holds the best validated weights."""
+    trainable = {n: p for n, p in student.named_parameters() if p.requires_grad}
+    if not trainable:
+        raise ValueError("QAT has nothing to train: every parameter is frozen")
+    student.to(settings.device)
+    teacher.to(settings.device).eval()
+    decay = [p for n, p in trainable.items() if not n.endswith(".scales")]
+    no_decay = [p for n, p in trainable.items() if n.endswith(".scales")]
+    groups = [{"params": decay}] + ([{"params": no_decay, "weight_decay": 0.0}] if no_decay else [])
+    optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.999), eps=1e-8,
+                                  weight_decay=settings.weight_decay)
+    warmup_steps = max(1, int(settings.steps * settings.warmup))
+    scheduler = get_warmup_cosine_lr(optimizer, warmup_min_lr=min(1e-8, settings.lr), warmup_max_lr=settings.lr,
+                                     warmup_num_steps=warmup_steps, total_steps=settings.steps)
+    kd_loss, ce_loss = KLDivergenceLoss(settings.temperature), CrossEntropyLoss()
+
+    def losses(ids: torch.Tensor, target: Optional[torch.Tensor] = None):
+        labels = next_token_labels(ids).to(settings.device)[None]
+        if target is None:
+            with torch.no_grad():
+                target = forward(teacher, ids)
+        logits = forward(student, ids)[None]
+        return kd_loss.compute(logits, target[None], labels), ce_loss.compute(logits, labels)
+
+    with torch.no_grad():  # the teacher's validation logits, once (validation reruns only the student)
+        validation_targets = [forward(teacher, ids) for ids in validation_ids]
+
+    @torch.no_grad()
+    def validate(step: int) -> dict:
+        kd = ce = 0.0
+        for ids, target in zip(validation_ids, validation_targets):
+            k, c = losses(ids, target)
+            kd, ce = kd + k.item(), ce + c.item()
+        n = max(len(validation_ids), 1)
+        row = {"step": step, "kd": kd / n, "ce": ce / n}
+        row["loss"] = settings.alpha * row["kd"] + (1 - settings.alpha) * row["ce"]
+        return row
+
+    history = History()
+    best = {"loss": math.inf, "state": None}
+    bad_validations, start = 0, 0
+    if checkpoint is not None and checkpoint.exists():
+        saved = torch.load(checkpoint, weights_only=True, map_location="cpu")
+        if saved.get("version") == CHECKPOINT_VERSION and saved.get("steps") == settings.steps:
+            _load_trainable(trainable, saved["trainable"])
+            optimizer.load_state_dict(saved["optimizer"])
+            scheduler.load_state_dict(saved["scheduler"])
+            history, best = History(**saved["history"]), saved["best"]
+            bad_validations, start = saved["bad"], saved["step"]
+            history.resumed_from = start
+            log.info("QAT: resuming at step %d of %d from the checkpoint %s", start, settings.steps, checkpoint)
+        else:
+            log.info("QAT: the checkpoint %s is from other settings; training from the start", checkpoint)
+    if start == 0:
+        row = validate(0)  # the starting point (the PTQ program's weights) competes with every trained state
+        history.validation.append(row)
+        best = {"loss": row["loss"], "state": _copy_trainable(trainable), "step": 0}
+    started = time.time()
+    bar = tqdm(range(start, settings.steps), desc="qat", unit="step", leave=False, initial=start,
+               total=settings.steps)
+    for step in bar:
+        optimizer.zero_grad(set_to_none=True)
+        kd_sum = ce_sum = 0.0
+        for micro in range(settings.grad_accum):
+            kd, ce = losses(train_ids[step * settings.grad_accum + micro])
+            loss = settings.alpha * kd + (1 - settings.alpha) * ce
+            (loss / settings.grad_accum).backward()
+            kd_sum, ce_sum = kd_sum + kd.item(), ce_sum + ce.item()
+        if settings.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(list(trainable.values()), settings.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        row = {"step": step + 1, "kd": kd_sum / settings.grad_accum, "ce": ce_sum / settings.grad_accum,
+               "lr": scheduler.get_last_lr()[0]}
+        history.train.append(row)
+        bar.set_postfix(kd=f"{row['kd']:.4f}", ce=f"{row['ce']:.3f}")
+        done = step + 1 == settings.steps
+        if (step + 1) % settings.eval_every == 0 or done:
+            val = validate(step + 1)
+            history.validation.append(val)
+            if val["loss"] < best["loss"]:
+                best, bad_validations = {"loss": val["loss"], "state": _copy_trainable(trainable),
+                                         "step": step + 1}, 0
+            else:
+                bad_validations += 1
+            log.info("QAT step %d/%d: train kd %.4f ce %.3f | validation kd %.4f ce %.3f (best at step %d)",
+                     step + 1, settings.steps, row["kd"], row["ce"], val["kd"], val["ce"], best["step"])
+            stop = settings.patience and bad_validations >= settings.patience
+            if checkpoint is not None and not done and not stop:
+                _save_checkpoint(checkpoint, {
+                    "version": CHECKPOINT_VERSION, "steps": settings.steps, "step": step + 1,
+                    "trainable": _copy_trainable(trainable), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "history": dataclasses.asdict(history), "best": best,
+                    "bad": bad_validations})
+            if stop:
+                history.stopped_early = True
+                log.info("QAT: validation loss has not improved for %d validations: stopped at step %d",
+                         settings.patience, step + 1)
+                break
+    bar.close()
+    history.seconds = time.time() - started
+    history.best_step = best["step"]
+    _load_trainable(trainable, best["state"])
+    student.to("cpu")
+    teacher.to("cpu")
+    return history
+
+
+def _copy_trainable(trainable: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {n: p.detach().to("cpu", copy=True) for n, p in trainable.items()}
+
+
+@torch.no_grad()
+def _load_trainable(trainable: Dict[str, torch.Tensor], state: Dict[str, torch.Tensor]) -> None:
+    for name, param in trainable.items():
+        param.copy_(state[name].to(param.device))
+
+
+def _save_checkpoint(path: Path, content: dict) -> None:
+    """Written whole, then renamed: a run killed while saving leaves the previous checkpoint, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(content, tmp)
+    os.replace(tmp, path)

@@ -1,0 +1,110 @@
+"""Quantization-aware training (qexp/transforms/qat.py, qexp/qat/) on the tiny model: it trains against the run's
+weight grid and its program rounds the trained weights as training did, its curves and training text are logged
+(also from the cache), a killed run resumes from its checkpoint to the same result, and bad settings are refused
+before any work."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from helpers import REPO, TINY, program_weights
+from qexp.errors import ConfigError, InputError
+from qexp.pipeline import prepare, run_experiment, validate
+from qexp.transforms.grid import grid_for, layer_linears
+
+QAT = TINY + ["algorithm=[qat]", "algorithm.qat.tokens=1024", "algorithm.qat.grad_accum=2",
+              "algorithm.qat.validations=4", "algorithm.qat.lr=1e-3"]
+
+
+@pytest.mark.parametrize("quant", ["16a4w", "16a4w_block"])
+def test_the_program_rounds_the_trained_weights_as_training_did(compose, quant):
+    state = prepare(compose(QAT + [f"quant={quant}"]), through="qdq")
+    model = state.deploy_model
+    assert model.transforms == ("qat",) and state.metrics["qat_steps"] == 8
+    # training moved the weights (the lm head and embedding stay frozen, as upstream's recipe)
+    key = "layers.0.attention.wq.weight"
+    assert not torch.equal(model.state_dict[key], state.model.state_dict[key])
+    assert torch.equal(model.state_dict["output.weight"], state.model.state_dict["output.weight"])
+    # the converted program's integers and scales are the fake quantizer's: round(w / s) on the trained scales
+    weights = program_weights(state.qdq.program.module)
+    for key in layer_linears(1):
+        grid = grid_for(state.cfg.quant, key)
+        scales = model.weight_ranges[key] / grid.qmax
+        name, expected = state.static.static_layout(key, grid.quantize(model.state_dict[key], scales))
+        ints, scale = weights[name]
+        ints = ints.reshape(ints.shape[0], -1).float()
+        scale = scale.reshape(ints.shape[0], -1)
+        assert torch.allclose(ints * scale.repeat_interleave(ints.shape[1] // scale.shape[1], 1), expected,
+                              rtol=0, atol=1e-6), key
+    # validation starts at the PTQ weights and the kept weights are the best validated ones
+    assert state.metrics["qat_val_kd_best"] <= state.metrics["qat_val_kd_start"]
+
+
+def test_curves_and_training_text_are_logged_also_from_the_cache(compose, store_uri):
+    cfg = compose(QAT + ["algorithm.qat.seed=1"])
+    first, second = run_experiment(cfg), run_experiment(cfg)
+    client = MlflowClient(store_uri)
+    for result, hit in ((first, "false"), (second, "true")):
+        run = client.get_run(result.run_id)
+        assert run.data.tags["transform_cache_hit.qat"] == hit
+        history = client.get_metric_history(result.run_id, "qat_train_kd")
+        assert [m.step for m in history] == list(range(1, 9))
+        assert len(client.get_metric_history(result.run_id, "qat_val_kd")) == 5  # the start and 4 validations
+        training = [d for d in run.inputs.dataset_inputs if any(t.value == "training" for t in d.tags)]
+        assert training and training[0].dataset.name == "gensim-enwiki-excerpt:calibration"
+    assert first.metrics["ppl_qdq"] == second.metrics["ppl_qdq"]
+    assert first.metrics["qat_val_kd_best"] == second.metrics["qat_val_kd_best"]
+
+
+@pytest.mark.slow
+def test_a_killed_training_resumes_from_its_checkpoint_to_the_same_result(tmp_path, store_uri):
+    args = ["-m", "qexp", *QAT, "algorithm.qat.tokens=8192", "algorithm.qat.validations=8"]
+
+    def env(cache):
+        return {**os.environ, "QEXP_CACHE_DIR": str(cache), "MLFLOW_TRACKING_URI": store_uri}
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env(killed), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    checkpoints = killed / "qat-checkpoints"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None and not any(checkpoints.glob("*.pt")):
+        time.sleep(0.2)
+    assert any(checkpoints.glob("*.pt")), "no checkpoint was written"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = subprocess.run([sys.executable, *args], cwd=REPO, env=env(killed), capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "QAT: resuming at step" in resumed.stderr + resumed.stdout
+    assert not any(checkpoints.glob("*.pt"))  # removed once the result is in the cache
+    whole = subprocess.run([sys.executable, *args], cwd=REPO, env=env(tmp_path / "whole"), capture_output=True,
+                           text=True, timeout=600)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    ppl = [line for line in (resumed.stdout + resumed.stderr).splitlines() if "ppl_qdq=" in line]
+    ppl_whole = [line for line in (whole.stdout + whole.stderr).splitlines() if "ppl_qdq=" in line]
+    assert ppl and ppl[0].split("ppl_qdq=")[1] == ppl_whole[0].split("ppl_qdq=")[1]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algorithm.qat.lr=0", "algorithm.qat.lr=0"),
+    ("quant=fp32", "algorithm qat trains against a quantization grid, and quant=fp32 has none"),
+    ("algorithm.qat.learn_scales=true quant=16a4w_block", "learn_scales=true with a per-block"),
+    ("algorithm.qat.device=tpu", "algorithm.qat.device='tpu'"),
+])
+def test_bad_settings_are_refused_before_any_work(compose, override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose(QAT + override.split()))
+
+
+def test_a_token_budget_beyond_the_calibration_half_is_refused(compose):
+    with pytest.raises(InputError, match=r"algorithm.qat.tokens=100000000 needs \d+ sequences"):
+        prepare(compose(QAT + ["algorithm.qat.tokens=100000000"]), through="transform")
