@@ -108,3 +108,16 @@ def test_bad_settings_are_refused_before_any_work(compose, override, message):
 def test_a_token_budget_beyond_the_calibration_half_is_refused(compose):
     with pytest.raises(InputError, match=r"algorithm.qat.tokens=100000000 needs \d+ sequences"):
         prepare(compose(QAT + ["algorithm.qat.tokens=100000000"]), through="transform")
+
+
+def test_the_training_text_decides_the_cache_key_not_the_scored_text(compose):
+    """A model trained on wikitext's calibration half and scored on news is the one a wikitext run trained (the
+    domain check reuses it); training on news is another model."""
+    from qexp.transforms import build_transforms
+
+    def dependency(overrides):
+        cfg = compose(QAT + overrides)
+        return build_transforms(cfg.algorithm)[0].grid_dependency(cfg)
+
+    assert dependency([]) == dependency(["text=news", "calibration.text=wikitext"])
+    assert dependency([]) != dependency(["text=news"])

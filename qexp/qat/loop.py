@@ -122,6 +122,7 @@ def train(student: nn.Module, teacher: nn.Module, forward: Callable[[nn.Module, 
         row = validate(0)  # the starting point (the PTQ program's weights) competes with every trained state
         history.validation.append(row)
         best = {"loss": row["loss"], "state": _copy_trainable(trainable), "step": 0}
+        log.info("QAT start: validation kd %.4f ce %.3f", row["kd"], row["ce"])
     started = time.time()
     bar = tqdm(range(start, settings.steps), desc="qat", unit="step", leave=False, initial=start,
                total=settings.steps)
@@ -166,6 +167,9 @@ def train(student: nn.Module, teacher: nn.Module, forward: Callable[[nn.Module, 
                 break
     bar.close()
     history.seconds = time.time() - started
+    log.info("QAT: trained %d steps in %.1f min; kept step %d (validation loss %.4f, at the start %.4f)",
+             len(history.train) - start,
+             history.seconds / 60, best["step"], best["loss"], history.validation[0]["loss"])
     history.best_step = best["step"]
     _load_trainable(trainable, best["state"])
     student.to("cpu")

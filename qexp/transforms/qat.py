@@ -104,9 +104,15 @@ class Qat(GridSearchTransform):
         text), the training length, and the device when it is not the CPU (CUDA's kernels round differently)."""
         from omegaconf import OmegaConf
 
-        dependency = {**super().grid_dependency(cfg), "seq_len": self.seq_len(cfg),
-                      "text": OmegaConf.to_container(cfg.text, resolve=True, enum_to_str=True),
-                      "calibration_text": str(cfg.calibration.get("text"))}
+        text = OmegaConf.to_container(cfg.text, resolve=True, enum_to_str=True)
+        calibration_text = cfg.calibration.get("text")
+        training = getattr(calibration_text, "value", calibration_text) or text["source"]
+        if training != text["source"]:  # trained on another text's calibration half: that text, whatever is scored
+            text.update(name=training, source=training)
+        # "calibration_text" is always None: `text` names the training text alone, so a model trained on wikitext and
+        # scored on news (text=news calibration.text=wikitext) is the one a wikitext run trained
+        dependency = {**super().grid_dependency(cfg), "seq_len": self.seq_len(cfg), "text": text,
+                      "calibration_text": "None"}
         if self.device().type != "cpu":
             dependency["device"] = self.device().type
         return dependency
