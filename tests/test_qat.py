@@ -121,3 +121,27 @@ def test_the_training_text_decides_the_cache_key_not_the_scored_text(compose):
 
     assert dependency([]) == dependency(["text=news", "calibration.text=wikitext"])
     assert dependency([]) != dependency(["text=news"])
+
+
+def test_the_fake_quantizer_has_autograds_straight_through_gradients():
+    """The memory-saving autograd function gives the gradients autograd's own graph of the same expression gives:
+    bit for bit for the weights, to float error for learned scales (LSQ)."""
+    from qexp.qat.fake_quant import _GridRound
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 96) * 0.05
+    s = (w.abs().amax(1, keepdim=True) / 7 * 0.8).expand(64, 96).contiguous()  # clipped scales: some weights outside
+    g = torch.randn(64, 96)
+
+    def reference(w, s):
+        x = w / s
+        return torch.clamp(x + (torch.round(x) - x).detach(), -7, 7) * s
+
+    w1, w2 = w.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    s1, s2 = s.clone().requires_grad_(True), s.clone().requires_grad_(True)
+    q1, q2 = reference(w1, s1), _GridRound.apply(w2, s2, 7)
+    q1.backward(g)
+    q2.backward(g)
+    assert torch.equal(q1, q2) and torch.equal(w1.grad, w2.grad)
+    assert torch.allclose(s1.grad, s2.grad, atol=1e-6)
+    assert (w2.grad == 0).any() and (w2.grad != 0).any()  # the clipped ones get none, the others do

@@ -4,9 +4,10 @@ straight-through fake quantizer on the static llama's conv weights, for training
 Forward: q = clamp(round(w / s), -qmax, qmax) x s with the grid's scales s, fixed when training starts (the
 weights' absmax / qmax, LPBQ-rounded, or the exact ranges an earlier algorithm chose: weight_clip, GPTQ), as
 upstream freezes its observers after calibration. Backward: the rounding passes the gradient through, the clamp
-does not (a weight beyond the grid's range gets none). With `learn_scales` the per-channel scales train too (their
-gradient is LSQ's: round(w/s) - w/s inside the range, +-qmax outside). The final scales go to the quantize stage as
-exact weight ranges (range = s x qmax), so the converted program rounds the trained weights exactly as training did.
+does not (a weight that rounds beyond the grid's range gets none). With `learn_scales` the per-channel scales train
+too (their gradient is LSQ's: round(w/s) - w/s inside the range, +-qmax outside). The final scales go to the quantize
+stage as exact weight ranges (range = s x qmax), so the converted program rounds the trained weights exactly as
+training did.
 
 Activations are not fake-quantized while training: they are re-observed on the trained model by the quantize stage
 (16-bit activations add little error next to 4-bit weights; for 8-bit activations this is an approximation).
@@ -24,8 +25,29 @@ from qexp.errors import ConfigError
 from qexp.transforms.grid import SCALE_EPS, WeightGrid
 
 
-def _round_ste(x: torch.Tensor) -> torch.Tensor:
-    return x + (torch.round(x) - x).detach()
+class _GridRound(torch.autograd.Function):
+    """clamp(round(w / s), -qmax, qmax) x s with the straight-through gradient, saving only w and s: autograd's own
+    graph of the same expression keeps four weight-sized tensors per layer alive until backward (gigabytes for a
+    135M model). Its gradients are autograd's, operation for operation: w's is ((g x s) masked to the range) / s, as
+    the chain of mul, clamp and div backward computes it, so the trained weights do not depend on which is used."""
+
+    @staticmethod
+    def forward(ctx, w, s, qmax):
+        ctx.save_for_backward(w, s)
+        ctx.qmax = qmax
+        return torch.clamp(torch.round(w / s), -qmax, qmax) * s
+
+    @staticmethod
+    def backward(ctx, g):
+        w, s = ctx.saved_tensors
+        x = w / s
+        rounded = torch.round(x)
+        inside = (rounded >= -ctx.qmax) & (rounded <= ctx.qmax)  # clamp's backward, on the rounded value
+        grad_w = (g * s) * inside / s
+        grad_s = None
+        if ctx.needs_input_grad[1]:  # LSQ: round(x) - x inside the range, the clamped integer outside
+            grad_s = g * torch.where(inside, rounded - x, torch.clamp(rounded, -ctx.qmax, ctx.qmax))
+        return grad_w, grad_s, None
 
 
 class GridFakeQuant(nn.Module):
@@ -43,8 +65,7 @@ class GridFakeQuant(nn.Module):
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         flat = w.reshape(w.shape[0], -1)
         s = self.grid.expand(self.scales.clamp(min=SCALE_EPS), flat.shape[1])
-        q = torch.clamp(_round_ste(flat / s), -self.grid.qmax, self.grid.qmax) * s
-        return q.reshape(w.shape)
+        return _GridRound.apply(flat, s, self.grid.qmax).reshape(w.shape)
 
 
 def attach(module: nn.Module, grids: Dict[str, WeightGrid], initial_scales: Dict[str, torch.Tensor],

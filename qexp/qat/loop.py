@@ -157,7 +157,9 @@ def train(student: nn.Module, teacher: nn.Module, forward: Callable[[nn.Module, 
             if checkpoint is not None and not done and not stop:
                 _save_checkpoint(checkpoint, {
                     "version": CHECKPOINT_VERSION, "steps": settings.steps, "step": step + 1,
-                    "trainable": _copy_trainable(trainable), "optimizer": optimizer.state_dict(),
+                    # serialized at once: the tensors themselves (on the CPU), not a copy
+                    "trainable": {n: p.detach().cpu() for n, p in trainable.items()},
+                    "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "history": dataclasses.asdict(history), "best": best,
                     "bad": bad_validations})
             if stop:
