@@ -156,7 +156,7 @@ def test_unknown_backend_and_algorithm_list_the_known_ones(compose):
 
     with pytest.raises(ConfigError, match="htp.*none.*xnnpack"):
         get_backend("tpu")
-    with pytest.raises(ConfigError, match="unknown algorithm 'quip'.*awq, gptq, rotation, seq_mse, smoothquant"):
+    with pytest.raises(ConfigError, match="unknown algorithm 'quip'.*awq, gptq, qat, rotation, seq_mse, smoothquant"):
         validate(compose(["+algorithm.quip={w_bit: 4}"]))
 
 

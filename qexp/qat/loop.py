@@ -66,117 +66,140 @@ def train(student: nn.Module, teacher: nn.Module, forward: Callable[[nn.Module, 
           checkpoint: Optional[Path] = None) -> History:
     """Train `student`'s parameters that require grad in place. `forward(module, ids [T])` returns logits [T, V] on
     `settings.device`. On return the student holds the best validated weights."""
-    trainable = {n: p for n, p in student.named_parameters() if p.requires_grad}
-    if not trainable:
-        raise ValueError("QAT has nothing to train: every parameter is frozen")
-    student.to(settings.device)
-    teacher.to(settings.device).eval()
-    decay = [p for n, p in trainable.items() if not n.endswith(".scales")]
-    no_decay = [p for n, p in trainable.items() if n.endswith(".scales")]
-    groups = [{"params": decay}] + ([{"params": no_decay, "weight_decay": 0.0}] if no_decay else [])
-    optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.999), eps=1e-8,
-                                  weight_decay=settings.weight_decay)
-    warmup_steps = max(1, int(settings.steps * settings.warmup))
-    scheduler = get_warmup_cosine_lr(optimizer, warmup_min_lr=min(1e-8, settings.lr), warmup_max_lr=settings.lr,
-                                     warmup_num_steps=warmup_steps, total_steps=settings.steps)
-    kd_loss, ce_loss = KLDivergenceLoss(settings.temperature), CrossEntropyLoss()
-
-    def losses(ids: torch.Tensor, target: Optional[torch.Tensor] = None):
-        labels = next_token_labels(ids).to(settings.device)[None]
-        if target is None:
-            with torch.no_grad():
-                target = forward(teacher, ids)
-        logits = forward(student, ids)[None]
-        return kd_loss.compute(logits, target[None], labels), ce_loss.compute(logits, labels)
-
-    with torch.no_grad():  # the teacher's validation logits, once (validation reruns only the student)
-        validation_targets = [forward(teacher, ids) for ids in validation_ids]
-
-    @torch.no_grad()
-    def validate(step: int) -> dict:
-        kd = ce = 0.0
-        for ids, target in zip(validation_ids, validation_targets):
-            k, c = losses(ids, target)
-            kd, ce = kd + k.item(), ce + c.item()
-        n = max(len(validation_ids), 1)
-        row = {"step": step, "kd": kd / n, "ce": ce / n}
-        row["loss"] = settings.alpha * row["kd"] + (1 - settings.alpha) * row["ce"]
-        return row
-
-    history = History()
-    best = {"loss": math.inf, "state": None}
-    bad_validations, start = 0, 0
-    if checkpoint is not None and checkpoint.exists():
-        saved = torch.load(checkpoint, weights_only=True, map_location="cpu")
-        if saved.get("version") == CHECKPOINT_VERSION and saved.get("steps") == settings.steps:
-            _load_trainable(trainable, saved["trainable"])
-            optimizer.load_state_dict(saved["optimizer"])
-            scheduler.load_state_dict(saved["scheduler"])
-            history, best = History(**saved["history"]), saved["best"]
-            bad_validations, start = saved["bad"], saved["step"]
-            history.resumed_from = start
-            log.info("QAT: resuming at step %d of %d from the checkpoint %s", start, settings.steps, checkpoint)
-        else:
-            log.info("QAT: the checkpoint %s is from other settings; training from the start", checkpoint)
-    if start == 0:
-        row = validate(0)  # the starting point (the PTQ program's weights) competes with every trained state
-        history.validation.append(row)
-        best = {"loss": row["loss"], "state": _copy_trainable(trainable), "step": 0}
-        log.info("QAT start: validation kd %.4f ce %.3f", row["kd"], row["ce"])
+    run = _Training(student, teacher, forward, validation_ids, settings, checkpoint)
+    start = run.resume()
     started = time.time()
     bar = tqdm(range(start, settings.steps), desc="qat", unit="step", leave=False, initial=start,
                total=settings.steps)
     for step in bar:
-        optimizer.zero_grad(set_to_none=True)
+        row = run.step(step, train_ids)
+        bar.set_postfix(kd=f"{row['kd']:.4f}", ce=f"{row['ce']:.3f}")
+        if ((step + 1) % settings.eval_every == 0 or step + 1 == settings.steps) and run.validate_and_stop(row):
+            break
+    bar.close()
+    history, best = run.history, run.best
+    history.seconds = time.time() - started
+    log.info("QAT: trained %d steps in %.1f min; kept step %d (validation loss %.4f, at the start %.4f)",
+             len(history.train) - start, history.seconds / 60, best["step"], best["loss"],
+             history.validation[0]["loss"])
+    history.best_step = best["step"]
+    _load_trainable(run.trainable, best["state"])
+    student.to("cpu")
+    teacher.to("cpu")
+    return history
+
+
+class _Training:
+    """One training run's state: the optimizer and schedule, the history, the best validated weights."""
+
+    def __init__(self, student, teacher, forward, validation_ids, settings: LoopSettings, checkpoint):
+        self.student, self.teacher, self.forward, self.settings = student, teacher, forward, settings
+        self.checkpoint = checkpoint
+        self.trainable = {n: p for n, p in student.named_parameters() if p.requires_grad}
+        if not self.trainable:
+            raise ValueError("QAT has nothing to train: every parameter is frozen")
+        student.to(settings.device)
+        teacher.to(settings.device).eval()
+        decay = [p for n, p in self.trainable.items() if not n.endswith(".scales")]
+        no_decay = [p for n, p in self.trainable.items() if n.endswith(".scales")]
+        groups = [{"params": decay}] + ([{"params": no_decay, "weight_decay": 0.0}] if no_decay else [])
+        self.optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.999), eps=1e-8,
+                                           weight_decay=settings.weight_decay)
+        warmup_steps = max(1, int(settings.steps * settings.warmup))
+        self.scheduler = get_warmup_cosine_lr(self.optimizer, warmup_min_lr=min(1e-8, settings.lr),
+                                              warmup_max_lr=settings.lr, warmup_num_steps=warmup_steps,
+                                              total_steps=settings.steps)
+        self.kd_loss, self.ce_loss = KLDivergenceLoss(settings.temperature), CrossEntropyLoss()
+        self.validation_ids = validation_ids
+        with torch.no_grad():  # the teacher's validation logits, once (validation reruns only the student)
+            self.validation_targets = [forward(teacher, ids) for ids in validation_ids]
+        self.history = History()
+        self.best = {"loss": math.inf, "state": None}
+        self.bad_validations = 0
+
+    def losses(self, ids: torch.Tensor, target: Optional[torch.Tensor] = None):
+        labels = next_token_labels(ids).to(self.settings.device)[None]
+        if target is None:
+            with torch.no_grad():
+                target = self.forward(self.teacher, ids)
+        logits = self.forward(self.student, ids)[None]
+        return self.kd_loss.compute(logits, target[None], labels), self.ce_loss.compute(logits, labels)
+
+    @torch.no_grad()
+    def validate(self, step: int) -> dict:
+        kd = ce = 0.0
+        for ids, target in zip(self.validation_ids, self.validation_targets):
+            k, c = self.losses(ids, target)
+            kd, ce = kd + k.item(), ce + c.item()
+        n = max(len(self.validation_ids), 1)
+        row = {"step": step, "kd": kd / n, "ce": ce / n}
+        row["loss"] = self.settings.alpha * row["kd"] + (1 - self.settings.alpha) * row["ce"]
+        return row
+
+    def resume(self) -> int:
+        """The step training starts at: a matching checkpoint's, else 0 (after validating the starting point)."""
+        settings, checkpoint = self.settings, self.checkpoint
+        if checkpoint is not None and checkpoint.exists():
+            saved = torch.load(checkpoint, weights_only=True, map_location="cpu")
+            if saved.get("version") == CHECKPOINT_VERSION and saved.get("steps") == settings.steps:
+                _load_trainable(self.trainable, saved["trainable"])
+                self.optimizer.load_state_dict(saved["optimizer"])
+                self.scheduler.load_state_dict(saved["scheduler"])
+                self.history, self.best = History(**saved["history"]), saved["best"]
+                self.bad_validations, start = saved["bad"], saved["step"]
+                self.history.resumed_from = start
+                log.info("QAT: resuming at step %d of %d from the checkpoint %s", start, settings.steps, checkpoint)
+                return start
+            log.info("QAT: the checkpoint %s is from other settings; training from the start", checkpoint)
+        row = self.validate(0)  # the starting point (the PTQ program's weights) competes with every trained state
+        self.history.validation.append(row)
+        self.best = {"loss": row["loss"], "state": _copy_trainable(self.trainable), "step": 0}
+        log.info("QAT start: validation kd %.4f ce %.3f", row["kd"], row["ce"])
+        return 0
+
+    def step(self, step: int, train_ids: torch.Tensor) -> dict:
+        settings = self.settings
+        self.optimizer.zero_grad(set_to_none=True)
         kd_sum = ce_sum = 0.0
         for micro in range(settings.grad_accum):
-            kd, ce = losses(train_ids[step * settings.grad_accum + micro])
+            kd, ce = self.losses(train_ids[step * settings.grad_accum + micro])
             loss = settings.alpha * kd + (1 - settings.alpha) * ce
             (loss / settings.grad_accum).backward()
             kd_sum, ce_sum = kd_sum + kd.item(), ce_sum + ce.item()
         if settings.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(list(trainable.values()), settings.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
+            torch.nn.utils.clip_grad_norm_(list(self.trainable.values()), settings.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
         row = {"step": step + 1, "kd": kd_sum / settings.grad_accum, "ce": ce_sum / settings.grad_accum,
-               "lr": scheduler.get_last_lr()[0]}
-        history.train.append(row)
-        bar.set_postfix(kd=f"{row['kd']:.4f}", ce=f"{row['ce']:.3f}")
-        done = step + 1 == settings.steps
-        if (step + 1) % settings.eval_every == 0 or done:
-            val = validate(step + 1)
-            history.validation.append(val)
-            if val["loss"] < best["loss"]:
-                best, bad_validations = {"loss": val["loss"], "state": _copy_trainable(trainable),
-                                         "step": step + 1}, 0
-            else:
-                bad_validations += 1
-            log.info("QAT step %d/%d: train kd %.4f ce %.3f | validation kd %.4f ce %.3f (best at step %d)",
-                     step + 1, settings.steps, row["kd"], row["ce"], val["kd"], val["ce"], best["step"])
-            stop = settings.patience and bad_validations >= settings.patience
-            if checkpoint is not None and not done and not stop:
-                _save_checkpoint(checkpoint, {
-                    "version": CHECKPOINT_VERSION, "steps": settings.steps, "step": step + 1,
-                    # serialized at once: the tensors themselves (on the CPU), not a copy
-                    "trainable": {n: p.detach().cpu() for n, p in trainable.items()},
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "history": dataclasses.asdict(history), "best": best,
-                    "bad": bad_validations})
-            if stop:
-                history.stopped_early = True
-                log.info("QAT: validation loss has not improved for %d validations: stopped at step %d",
-                         settings.patience, step + 1)
-                break
-    bar.close()
-    history.seconds = time.time() - started
-    log.info("QAT: trained %d steps in %.1f min; kept step %d (validation loss %.4f, at the start %.4f)",
-             len(history.train) - start,
-             history.seconds / 60, best["step"], best["loss"], history.validation[0]["loss"])
-    history.best_step = best["step"]
-    _load_trainable(trainable, best["state"])
-    student.to("cpu")
-    teacher.to("cpu")
-    return history
+               "lr": self.scheduler.get_last_lr()[0]}
+        self.history.train.append(row)
+        return row
+
+    def validate_and_stop(self, row: dict) -> bool:
+        """Validate after the step `row` records, keep the best weights, checkpoint; True: stop early."""
+        settings, step = self.settings, row["step"]
+        val = self.validate(step)
+        self.history.validation.append(val)
+        if val["loss"] < self.best["loss"]:
+            self.best = {"loss": val["loss"], "state": _copy_trainable(self.trainable), "step": step}
+            self.bad_validations = 0
+        else:
+            self.bad_validations += 1
+        log.info("QAT step %d/%d: train kd %.4f ce %.3f | validation kd %.4f ce %.3f (best at step %d)",
+                 step, settings.steps, row["kd"], row["ce"], val["kd"], val["ce"], self.best["step"])
+        stop = bool(settings.patience and self.bad_validations >= settings.patience)
+        if self.checkpoint is not None and step < settings.steps and not stop:
+            _save_checkpoint(self.checkpoint, {
+                "version": CHECKPOINT_VERSION, "steps": settings.steps, "step": step,
+                # serialized at once: the tensors themselves (on the CPU), not a copy
+                "trainable": {n: p.detach().cpu() for n, p in self.trainable.items()},
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "history": dataclasses.asdict(self.history), "best": self.best, "bad": self.bad_validations})
+        if stop:
+            self.history.stopped_early = True
+            log.info("QAT: validation loss has not improved for %d validations: stopped at step %d",
+                     settings.patience, step)
+        return stop
 
 
 def _copy_trainable(trainable: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
