@@ -131,10 +131,6 @@ class Qat(GridSearchTransform):
         from qexp.transforms.capture import private_static
 
         cfg, c = context.cfg, self.config
-        if c.learn_scales and _has_block_grid(cfg.quant):
-            raise ConfigError("algorithm.qat.learn_scales=true with a per-block (LPBQ) grid: HTP stores block scales "
-                              "as 4-bit multiples of a per-channel unit, which a gradient cannot move",
-                              "use learn_scales=false, or a per-channel scheme (quant=16a4w)")
         seq_len = self.seq_len(cfg)
         corpus = calibration_corpus(cfg.text, cfg.calibration.get("text"), load_corpus(cfg.text, context.cache),
                                     context.cache)
