@@ -69,10 +69,9 @@ class GridFakeQuant(nn.Module):
 
 
 def attach(module: nn.Module, grids: Dict[str, WeightGrid], initial_scales: Dict[str, torch.Tensor],
-           learn_scales: bool) -> Dict[str, GridFakeQuant]:
+           learn_scales: bool) -> None:
     """Register a GridFakeQuant on each module `path` of `grids` (static module paths, e.g. layers.0.attention.wq_conv),
-    scales from `initial_scales` ([out, n_blocks], by path). Returns them by path."""
-    attached = {}
+    scales from `initial_scales` ([out, n_blocks], by path)."""
     for path, grid in grids.items():
         if learn_scales and grid.block_size:  # the transform's validate() refuses this config before any work
             raise ConfigError(f"algorithm.qat.learn_scales=true and {path} has a per-block (LPBQ) grid",
@@ -80,8 +79,6 @@ def attach(module: nn.Module, grids: Dict[str, WeightGrid], initial_scales: Dict
         conv = module.get_submodule(path)
         fake_quant = GridFakeQuant(grid, initial_scales[path].to(conv.weight.dtype), learn_scales)
         parametrize.register_parametrization(conv, "weight", fake_quant, unsafe=True)
-        attached[path] = fake_quant
-    return attached
 
 
 @torch.no_grad()
