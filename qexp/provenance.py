@@ -30,7 +30,7 @@ QDQ_CACHE_VERSION = 3
 LATER_DEFAULTS = {("quant", "weight_range"): "narrow", ("eval", "htp_exact"): False,
                   ("backend", "compile_workers"): 2, ("backend", "contexts"): "per_graph",
                   ("model", "masked_softmax"): None, ("algorithm", "weight_clip", "objective"): "weights",
-                  ("sensitivity",): None, ("eval", "tasks"): [], ("eval", "task_paths"): [],
+                  ("sensitivity",): None, ("search",): None, ("eval", "tasks"): [], ("eval", "task_paths"): [],
                   ("eval", "task_limit"): None}
 
 

@@ -203,6 +203,7 @@ def qdq(state) -> None:
     from qexp.quant.htp_arithmetic_pass import MODELLED_OPS
     from qexp.quant.w4_lowering import htp_exact_lowering
     from qexp.transforms import algorithm_label, build_transforms, calibration_algorithms
+    from qexp.speed import weight_size_metrics
 
     if not state.quantized:
         return
@@ -247,6 +248,7 @@ def qdq(state) -> None:
     state.per_window["ll_qdq"] = result.logprobs.sum(axis=1)
     table = encodings_table(program.module)
     metrics["weights_mb"] = weights_megabytes(static.module, table)
+    metrics.update(weight_size_metrics(state.cfg))  # the report's size axis: one measure for every row
     state.log_text(table.to_csv(index=False), "quant/encodings.csv")
     state.log_text(summarize_encodings(table), "quant/summary.txt")
 

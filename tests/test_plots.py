@@ -83,14 +83,14 @@ def test_collapsed_point_is_flagged_and_left_out_of_the_y_axis(figures):
     assert any("off scale" in entry for entry in _legend(fig))
 
 
-def test_identical_points_share_one_entry_naming_both(figures):
+def test_points_at_one_spot_are_drawn_side_by_side_each_named(figures):
     fig = plots.size_figure(CROWDED)
     figures.append(fig)
-    entries = _legend(fig)
-    tie = [e for e in entries if "16a8w · minmax" in e]
-    assert len(tie) == 1 and "16a8w · percentile" in tie[0]  # same x and y: one marker, both named
-    near = [e for e in entries if "fp32 · pytorch" in e]
-    assert len(near) == 1 and "fp32 · cpu" in near[0]  # 0.7 MB apart: one marker too
+    entries = [e for e in _legend(fig) if not e.startswith("Pareto front")]
+    assert len(entries) == len(CROWDED)  # one marker and one entry per point, identical points too
+    drawn = {c.get_label(): c.get_offset_transform().transform(c.get_offsets())[0] for c in fig.axes[0].collections}
+    tie = [xy for e, xy in drawn.items() if "16a8w · minmax" in e or "16a8w · percentile" in e]
+    assert len(tie) == 2 and abs(tie[0][0] - tie[1][0]) >= 5  # same x and y in data: apart on the figure
     assert all(any(f"{s} · {o}".replace(" · -", "") in e for e in entries) for s, o in CROWDED[["scheme", "observer"]]
                .itertuples(index=False))
 
@@ -168,3 +168,19 @@ def test_no_speed_plot_says_why():
     assert "columns leave decode speed out" in plots.no_speed_plot_note(left_out)
     assert "no run in the table measured" in plots.no_speed_plot_note(left_out.assign(decode_tok_s=np.nan))
     assert plots.no_speed_plot_note(left_out.assign(decode_tok_s=0.14)) is None
+
+
+def test_the_size_axis_is_bits_per_decoder_weight_when_every_row_has_them(figures):
+    quantized = CROWDED[~CROWDED["scheme"].str.startswith("fp32")].copy()
+    quantized["weight_bits_decoder"] = [16, 8, 8, 4, 4.125, 4, 8, 8, 8]
+    quantized["weight_bits_lm_head"] = 8.0
+    fig = plots.size_figure(quantized)
+    figures.append(fig)
+    ax = fig.axes[0]
+    assert ax.xaxis.label.get_text().startswith("average bits per decoder-linear weight")
+    assert "the lm head at 8 bits in every row" in " ".join(ax.texts[-1].get_text().split())
+    assert ax.get_xlim()[1] < 20  # bits, not MB
+    quantized.loc[quantized.index[0], "weight_bits_decoder"] = np.nan  # a run from before the metric: MB again
+    fig = plots.size_figure(quantized)
+    figures.append(fig)
+    assert fig.axes[0].xaxis.label.get_text().startswith("size (MB)")

@@ -16,7 +16,8 @@ COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
            "#17becf")
 MARKERS = ("o", "s", "D", "v", "P", "X", "*", "h", "p")  # no "^": it marks collapsed points; 9 vs 10 colours: 90 pairs
 FRONT_STYLES = ("--", ":", "-.", (0, (6, 2, 1, 2)))
-SAME_SPOT_PT = 5  # markers ~8 pt across: centres closer than this hide each other; one marker, one entry
+SAME_SPOT_PT = 5  # markers ~8 pt across: centres closer than this hide each other
+DODGE_PT = 7  # so such points are drawn this far apart, side by side
 NOTE_ROW_PT = 12  # one collapsed point's note per row, this far apart (8 pt text)
 
 
@@ -82,24 +83,33 @@ def _same_spot(ax, points: pd.DataFrame) -> List[List[int]]:
 
 
 def _draw_points(ax, points: pd.DataFrame, members: set) -> None:
-    """One marker and legend entry per spot; collapsed ones on the top edge with their value written under it."""
-    notes = 0
-    for i, group in enumerate(_same_spot(ax, points)):
-        first, colour = points.loc[group[0]], COLOURS[i % len(COLOURS)]
-        label = "\n".join(f"{row.label} (ppl {row.y:.4g})" for row in points.loc[group].itertuples())
-        filled = bool(members & set(group))
-        style = dict(s=60, linewidths=1.5, edgecolors=colour, zorder=3,
-                     facecolors=(*_rgb(colour), 0.45) if filled else "none")
-        if not first["collapsed"]:
-            ax.scatter([first["x"]], [first["y"]], marker=MARKERS[i % len(MARKERS)], label=label, **style)
-            continue
-        ax.scatter([first["x"]], [1.0], marker="^", transform=ax.get_xaxis_transform(), clip_on=False,
-                   label=label + ", off scale", **style)
-        notes += 1
-        right_half = ax.transAxes.inverted().transform(ax.transData.transform((first["x"], 1.0)))[0] > 0.6
-        ax.annotate("▲ " + label, xy=(first["x"], 1.0), xycoords=("data", "axes fraction"),
-                    xytext=(-6 if right_half else 6, -NOTE_ROW_PT * notes), textcoords="offset points",
-                    ha="right" if right_half else "left", va="center", fontsize=8, color=colour)
+    """One marker and legend entry per point. Points whose markers would overlap (same size, close perplexity) are
+    drawn side by side, DODGE_PT apart around their common spot, so each stays visible and named; collapsed ones sit
+    on the top edge with their value written under it."""
+    from matplotlib.transforms import offset_copy
+
+    notes, n = 0, 0
+    for group in _same_spot(ax, points):
+        for k, index in enumerate(group):
+            row, colour, marker = points.loc[index], COLOURS[n % len(COLOURS)], MARKERS[n % len(MARKERS)]
+            n += 1
+            label = f"{row['label']} (ppl {row['y']:.4g})"
+            filled = index in members
+            dodge = (k - (len(group) - 1) / 2) * DODGE_PT
+            style = dict(s=60, linewidths=1.5, edgecolors=colour, zorder=3,
+                         facecolors=(*_rgb(colour), 0.45) if filled else "none")
+            if not row["collapsed"]:
+                shifted = offset_copy(ax.transData, fig=ax.figure, x=dodge, units="points")
+                ax.scatter([row["x"]], [row["y"]], marker=marker, label=label, transform=shifted, **style)
+                continue
+            shifted = offset_copy(ax.get_xaxis_transform(), fig=ax.figure, x=dodge, units="points")
+            ax.scatter([row["x"]], [1.0], marker="^", transform=shifted, clip_on=False, label=label + ", off scale",
+                       **style)
+            notes += 1
+            right_half = ax.transAxes.inverted().transform(ax.transData.transform((row["x"], 1.0)))[0] > 0.6
+            ax.annotate("▲ " + label, xy=(row["x"], 1.0), xycoords=("data", "axes fraction"),
+                        xytext=(-6 if right_half else 6, -NOTE_ROW_PT * notes), textcoords="offset points",
+                        ha="right" if right_half else "left", va="center", fontsize=8, color=colour)
 
 
 def _keep_notes_inside(ax) -> None:

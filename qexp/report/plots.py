@@ -115,14 +115,24 @@ def _subset_text(data: pd.DataFrame) -> str:
     return f" Points without a QDQ phase: the deployed program on the first {tokens} predicted tokens of those windows."
 
 
-def caption(data: pd.DataFrame, points: pd.DataFrame, speed: bool) -> str:
+def _bits_text(data: pd.DataFrame) -> str:
+    """What the bits axis counts, and the lm head's bits (said apart: on a small model it is a large share)."""
+    heads = sorted({float(b) for b in data.get("weight_bits_lm_head", pd.Series(dtype=float)).dropna()})
+    head = (f"the lm head at {heads[0]:g} bits in every row" if len(heads) == 1
+            else "the lm head's bits differ between rows (" + ", ".join(f"{b:g}" for b in heads) + ")" if heads
+            else "the lm head apart")
+    return (" Size: average bits per decoder-linear weight as the HTP program stores them (an LPBQ block's 4-bit "
+            f"scale counted), {head}, the embedding table not counted.")
+
+
+def caption(data: pd.DataFrame, points: pd.DataFrame, speed: bool, bits: bool = False) -> str:
     """What the perplexity is and was measured on, what the x axis means, markers and emulator timings."""
     text = (f"Perplexity: token-level (lm-eval weighted_perplexity), the QDQ program where the run has one, else the "
             f"deployed program, else FP; {_eval_setting(data)}.{_subset_text(data)}")
     text += (" Speed: decode tokens/s, per speed source: `estimate <SoC>` is a phone's speed estimated from the "
              "compiled program, `what-if <SoC>` from the run's config (docs/htp-speed.md), `measured <target>` was "
              "timed there; each has its own front."
-             if speed else
+             if speed else _bits_text(data) if bits else
              " Size: the .pte where deployed, else the weights at their quantized widths.")
     text += " Filled markers (joined by a line): the Pareto front of their target; hollow: dominated."
     if points["collapsed"].any():
@@ -134,11 +144,15 @@ def caption(data: pd.DataFrame, points: pd.DataFrame, speed: bool) -> str:
 
 
 def size_figure(data: pd.DataFrame):
-    """Perplexity vs size (smaller is better on both), or None when no row has both."""
-    points, shared = _points(data, "size_mb")
+    """Perplexity vs size (smaller is better on both), or None when no row has both. The size is the average bits
+    per decoder-linear weight where every quantized row has them, else MB (the .pte where deployed, else the
+    weights at their quantized widths)."""
+    bits = "weight_bits_decoder" in data and data.loc[_quantized_ppl(data).notna(), "weight_bits_decoder"].notna().all()
+    points, shared = _points(data, "weight_bits_decoder" if bits else "size_mb")
     if points.empty:
         return None
-    return _figure(points, shared, False, "size (MB)", "Perplexity vs size", caption(data, points, speed=False))
+    axis = "average bits per decoder-linear weight, as HTP stores them" if bits else "size (MB)"
+    return _figure(points, shared, False, axis, "Perplexity vs size", caption(data, points, speed=False, bits=bits))
 
 
 def speed_figure(data: pd.DataFrame):

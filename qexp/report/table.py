@@ -7,13 +7,12 @@ Nothing here names a backend: a run's deployed phase logs the same metrics whate
 from __future__ import annotations
 
 import re
-
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import pandas as pd
 
-from qexp.report.base import Report, ReportError, column
+from qexp.report.base import Report, ReportError, algorithms_from_params, column
 
 # column name -> (MLflow column, header); the default table, in the seeds' order
 COLUMNS: Dict[str, tuple[str, str]] = {
@@ -37,6 +36,9 @@ EXTRA_COLUMNS: Dict[str, tuple[str, str]] = {
     "model_mode": ("params.backend.model_mode", "model mode"),
     "soc": ("params.backend.soc", "SoC"),
     "weights_mb": ("metrics.weights_mb", "weights MB"),
+    "weight_bits": ("metrics.weight_bits_decoder", "bits/weight (decoder)"),
+    "lm_head_bits": ("metrics.weight_bits_lm_head", "lm head bits"),
+    "weights_htp_mb": ("metrics.weights_htp_decoder_mb", "decoder weights MB (HTP)"),
     "ppl_fp_sub": ("metrics.ppl_fp_sub", "PPL FP (deployed subset)"),
     "ppl_qdq_sub": ("metrics.ppl_qdq_sub", "PPL QDQ (deployed subset)"),
     "ppl_deployed_vs_qdq": ("metrics.ppl_deployed_vs_qdq", "Δ deployed vs QDQ"),
@@ -52,7 +54,7 @@ EXTRA_COLUMNS: Dict[str, tuple[str, str]] = {
 }
 # Metrics the CSV keeps even when not shown: the subset figures the notes point to.
 CSV_METRICS = ("ppl_fp_sub", "ppl_qdq_sub", "ppl_deployed_vs_qdq", "top1_agreement_deployed_vs_qdq",
-               "deployed_eval_tokens", "deployed_eval_windows")
+               "deployed_eval_tokens", "deployed_eval_windows", "weight_bits_decoder", "weight_bits_lm_head")
 # What makes perplexities comparable: the same text, window length and window count.
 COMPARABILITY = {
     "tags.text_sha256": "text",
@@ -84,7 +86,7 @@ def _derived(runs: pd.DataFrame) -> pd.DataFrame:
         + np.where(sampling.str.endswith("spread"), " spread", ""),
     )
     runs["params.observer.name"] = np.where(fp32, "-", column(runs, "params.observer.name"))
-    runs["algorithm"] = column(runs, "tags.algorithm").fillna(_algorithms_from_params(runs)).fillna("RTN").replace(
+    runs["algorithm"] = column(runs, "tags.algorithm").fillna(algorithms_from_params(runs)).fillna("RTN").replace(
         "", "RTN")
     runs["kv_mode"] = column(runs, "params.backend.kv_update").fillna("-")  # logged only by backends that have one
     # fake_quant (float, what the QDQ program computes) or htp_exact (eval.htp_exact: HTP's arithmetic); an
@@ -132,17 +134,6 @@ def _speeds(runs: pd.DataFrame, num) -> None:
         soc = soc + " (" + model + ")"
     runs["speed_source"] = np.where(estimated, kind + soc, np.where(
         measured, np.where(emulated, "x86_emulator", "measured " + runs["target"].astype(str)), "-"))
-
-
-def _algorithms_from_params(runs: pd.DataFrame) -> pd.Series:
-    """The algorithms a run logged settings for (params.algorithm.<name>.*), for runs from before the algorithm tag."""
-    names = sorted({c.split(".")[2] for c in runs if c.startswith("params.algorithm.") and c.count(".") >= 3})
-    logged = [runs[[c for c in runs if c.startswith(f"params.algorithm.{n}.")]].notna().any(axis=1).rename(n)
-              for n in names]
-    if not logged:
-        return pd.Series(np.nan, index=runs.index)
-    found = pd.concat(logged, axis=1)
-    return found.apply(lambda row: ",".join(n for n in names if row[n]) or np.nan, axis=1)
 
 
 def resolve_columns(names: Optional[Sequence[str]]) -> Dict[str, tuple[str, str]]:
@@ -211,7 +202,8 @@ def _data(runs: pd.DataFrame, chosen: Dict[str, tuple[str, str]]) -> pd.DataFram
     for extra in CSV_METRICS:
         if f"metrics.{extra}" in runs and extra not in data:
             data[extra] = pd.to_numeric(runs[f"metrics.{extra}"], errors="coerce").values
-    # size: the deployed program where there is one, else the weights at their quantized widths
+    # size: bits per decoder-linear weight (CSV_METRICS) where every row has them, else the deployed program where
+    # there is one, else the weights at their quantized widths
     data["size_mb"] = (pd.to_numeric(column(runs, "metrics.pte_bytes"), errors="coerce") / 1e6).values
     data["size_mb"] = data["size_mb"].fillna(data["weights_mb"])
     # one model's rows together, largest (least quantized) first, like the seeds' tables

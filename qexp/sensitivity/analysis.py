@@ -38,6 +38,7 @@ class Analysis:
     model: object  # the LoadedModel measured (transforms applied)
     cache_hit: bool = False
     tags: Dict[str, str] = field(default_factory=dict)
+    state: object = None  # the RunState prepared through the transforms (its corpus, tokenizer, calibration)
 
 
 def low_grid(quant) -> WeightGrid:
@@ -86,17 +87,19 @@ def validate_analysis(cfg) -> None:
     validate(cfg)
 
 
-def selection_windows(state, cfg):
-    """Windows of the calibration half's second half (by characters), disjoint from the calibration samples."""
+def selection_windows(state, cfg, selection=None, key: str = "sensitivity.selection"):
+    """Windows of the calibration half's second half (by characters), disjoint from the calibration samples;
+    `selection` (a SelectionConfig, the analysis' by default) says how many and how long, `key` where it is set."""
     from qexp.data.calibration import check_disjoint
     from qexp.data.windows import make_windows
 
+    selection = selection or cfg.sensitivity.selection
     text = state.corpus.joined("calibration")
-    windows = make_windows(text[len(text) // 2 :], state.model.tokenizer, cfg.sensitivity.selection.seq_len,
-                           cfg.sensitivity.selection.limit, state.model.add_bos)
-    if windows.n_windows < cfg.sensitivity.selection.limit:
-        raise ConfigError(f"the calibration half holds {windows.n_windows} selection windows, not "
-                          f"{cfg.sensitivity.selection.limit}", "lower sensitivity.selection.limit or seq_len")
+    windows = make_windows(text[len(text) // 2 :], state.model.tokenizer, selection.seq_len, selection.limit,
+                           state.model.add_bos)
+    if windows.n_windows < selection.limit:
+        raise ConfigError(f"the calibration half holds {windows.n_windows} selection windows of {selection.seq_len} "
+                          f"tokens, not {selection.limit}", f"lower {key}.limit or {key}.seq_len")
     if state.calibration is not None:
         check_disjoint(state.calibration, windows)
     return windows
@@ -132,7 +135,7 @@ def analyse(cfg, progress=log.info) -> Analysis:
             "text_source": state.corpus.source, "selection_windows_sha256": selection.sha256,
             "sensitivity_cache_hit": str(hit).lower(), "sensitivity_low": low.describe(),
             "sensitivity_high": high.describe()}
-    return Analysis(table, summary, groups, low, high, selection, model, hit, tags)
+    return Analysis(table, summary, groups, low, high, selection, model, hit, tags, state)
 
 
 def measure_table(static, selection, groups, low, high, views, progress) -> tuple[pd.DataFrame, dict]:

@@ -56,6 +56,18 @@ def model_shapes(model_cfg) -> Shapes:
     return Shapes.of(dims)
 
 
+def weight_size_metrics(cfg) -> dict:
+    """Bits per decoder-linear weight and the HTP storage of the weights (qexp/speed/bytes.py: weight_size), from
+    the model's shapes and the quant config; none for a model whose metadata does not give its shapes."""
+    from qexp.errors import ConfigError
+    from qexp.speed.bytes import weight_size
+
+    try:
+        return weight_size(model_shapes(cfg.model), cfg.quant)
+    except ConfigError:
+        return {}
+
+
 def check_soc(soc_name: str) -> None:
     """A ConfigError naming the SoCs with figures, for one without (reads the data file only)."""
     from qexp.speed.data import check_soc as check

@@ -119,3 +119,25 @@ def stream_bytes(shapes: Shapes, quant, context: int, ar_len: int = 1, kv_bits_o
           + ar_len * context * 2  # the 16-bit attention mask in
           + ar_len * shapes.dim * act)  # the embedding rows gathered
     return StreamBytes(weights=weights, lm_head=lm_head, kv_cache=cache, io=io, written=written)
+
+
+def weight_size(shapes: Shapes, quant) -> dict:
+    """The weights as the HTP program stores them, one size measure for any recipe: average bits per decoder-linear
+    weight (an LPBQ block's 4-bit scale counted, per-channel scales not), and MB of the decoder linears, the lm head
+    and the embedding table (per tensor at the activation bits, as QnnQuantizer quantizes it) said apart."""
+    from qexp.sensitivity.groups import grid_bits
+
+    decoder_bytes = decoder_weights = decoder_bits = lm_head_bytes = lm_head_bits = 0.0
+    for name, (out, cols) in shapes.linears().items():
+        grid = grid_for(quant, name)
+        size, bits = weight_bytes(out, cols, grid), (32.0 if grid is None else grid_bits(grid))
+        if name == "output.weight":
+            lm_head_bytes, lm_head_bits = size, bits
+        else:
+            decoder_bytes += size
+            decoder_weights += out * cols
+            decoder_bits += out * cols * bits
+    embedding_bits = 32 if grid_for(quant, "output.weight") is None else activation_bits(quant.scheme)
+    return {"weight_bits_decoder": decoder_bits / decoder_weights, "weight_bits_lm_head": lm_head_bits,
+            "weights_htp_decoder_mb": decoder_bytes / 1e6, "weights_htp_lm_head_mb": lm_head_bytes / 1e6,
+            "weights_htp_embedding_mb": shapes.vocab_size * shapes.dim * embedding_bits / 8 / 1e6}
