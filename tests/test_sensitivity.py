@@ -149,7 +149,11 @@ def test_tracked_analysis_its_cache_and_a_recipe_a_run_uses(compose_sensitivity,
         if group.in_recipes:
             expected = 8 if group.name in five_bits.promoted else 4
             assert grid_for(run_cfg.quant, group.meta_key).bits == expected, group.name
-    assert run_experiment(run_cfg).metrics["ppl_qdq"] > 0
+    metrics = run_experiment(run_cfg).metrics
+    assert metrics["ppl_qdq"] > 0
+    # the run's size measure is the recipe's: bits per decoder-linear weight, the lm head apart
+    assert metrics["weight_bits_decoder"] == pytest.approx(five_bits.average_bits)
+    assert metrics["weight_bits_lm_head"] == 8 and metrics["weights_htp_lm_head_mb"] > 0
 
 
 def test_synthesis_finds_the_fewest_promotions_and_says_when_a_budget_cannot_be_met():
