@@ -35,8 +35,8 @@ from qexp.report.table import EMULATED
 PLOTS = ("ppl_vs_size", "ppl_vs_speed")
 COLLAPSE_FACTOR = 10.0  # > 10x the median perplexity: the configuration broke, its value is not a trade-off
 # text: the evaluation text, where a mixed report (--allow-mixed) holds several; calibration.text_source: domain shift
-LABEL_PARTS = ("model", "scheme", "observer", "algorithm", "model_mode", "target", "text",
-               "params.calibration.text_source")
+LABEL_PARTS = ("model", "scheme", "params.quant.name", "observer", "algorithm", "model_mode", "target", "text",
+               "params.calibration.text_source")  # quant.name: recipes of one scheme (mixed precision) apart
 EVAL_COLUMNS = ("text", "n_windows", "window_len")
 # older CSVs name the deployed phase by its backend (ppl_htp, ppl_xnnpack, htp_eval_tokens): today's column <- those
 LEGACY_CSV_COLUMNS = [(new.split(".", 1)[1], old.split(".", 1)[1]) for new, old in LEGACY_NAMES.items()

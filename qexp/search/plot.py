@@ -24,9 +24,9 @@ def front_plot(trials: pd.DataFrame, front: pd.DataFrame, path: Path, title: str
     err = [y - 100 * front["ppl_vs_fp_selection_ci_low"], 100 * front["ppl_vs_fp_selection_ci_high"] - y]
     ax.errorbar(front["bits"], y, yerr=err, fmt="o-", color="tab:red", ms=4, capsize=2, lw=1,
                 label="Pareto front (95% paired interval)")
-    for row in front.itertuples():
+    for i, row in enumerate(front.itertuples()):  # above and below in turn: neighbours on the front are close
         ax.annotate(f"{row.bits:.2f}", (row.bits, 100 * row.ppl_vs_fp_selection), textcoords="offset points",
-                    xytext=(4, 4), fontsize=7, color="tab:red")
+                    xytext=(4, 5 if i % 2 == 0 else -11), fontsize=7, color="tab:red")
     ax.set_xlabel("average bits per decoder-linear weight (lm head apart)")
     ax.set_ylabel("perplexity vs FP on the selection windows (%)")
     ax.set_title(title, fontsize=9)
