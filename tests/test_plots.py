@@ -184,3 +184,11 @@ def test_the_size_axis_is_bits_per_decoder_weight_when_every_row_has_them(figure
     fig = plots.size_figure(quantized)
     figures.append(fig)
     assert fig.axes[0].xaxis.label.get_text().startswith("size (MB)")
+
+
+def test_labels_name_recipes_of_one_scheme_and_repeat_nothing():
+    data = pd.DataFrame({"scheme": ["16a8w", "16a4w_block", "16a4w_block"],
+                         "params.quant.name": ["16a8w", "recipe_llama3_2_1b", "mp_b4_50"], "observer": ["minmax"] * 3})
+    labels, shared = plots._labels(data)
+    assert list(labels) == ["16a8w", "16a4w_block · recipe_llama3_2_1b", "16a4w_block · mp_b4_50"]
+    assert shared == "minmax"

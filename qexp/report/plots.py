@@ -67,7 +67,9 @@ def _labels(data: pd.DataFrame) -> Tuple[pd.Series, str]:
         return data.index.astype(str).to_series(index=data.index), ""
     text = data[parts].astype(str)
     varying = [c for c in parts if text[c].nunique() > 1] or parts[:1]
-    labels = text[varying].apply(lambda row: " · ".join(v for v in row if v not in ("-", "nan")) or "-", axis=1)
+    # a value already in the label is not repeated (a recipe named like its scheme: quant=16a8w, scheme 16a8w)
+    labels = text[varying].apply(lambda row: " · ".join(dict.fromkeys(v for v in row if v not in ("-", "nan")))
+                                 or "-", axis=1)
     if labels.duplicated(keep=False).any() and "run_id" in data:  # same label, different runs: tell them apart
         twins = labels.duplicated(keep=False)
         labels = labels.where(~twins, labels + " (run " + data["run_id"].astype(str).str[:8] + ")")
