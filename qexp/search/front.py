@@ -84,9 +84,12 @@ class SearchCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         try:
             self._report(config)
-        except Exception as exc:  # noqa: BLE001 - one line; the sweep's own bookkeeping still ends the parent run
-            print(f"qexp: error: the search's front could not be written: {type(exc).__name__}: "
-                  f"{str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
+        except Exception as exc:  # noqa: BLE001 - one line, the parent run FAILED with it, exit 1
+            reason = (f"qexp: error: the search's front could not be written: {type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0] if str(exc) else ''}")
+            _fail_parent(config, reason)
+            print(reason, file=sys.stderr)
+            sys.exit(1)
 
     def _report(self, config: DictConfig) -> None:
         from mlflow.tracking import MlflowClient
