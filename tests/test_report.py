@@ -272,13 +272,13 @@ def test_device_layout_gives_one_row_per_configuration_and_device():
     """The seeds' layout: an HTP run gives a CPU (QDQ) row and an HTP emulator row, a QDQ-only run one row, the
     model's FP reference one row; config names the algorithm (RTN when none) and the grids."""
     from qexp.report.devices import device_table
-    from qexp.report.table import _derived
+    from qexp.report.table import derived_columns
 
     awq = {**PYTORCH, "run_id": "d", "tags.config_hash": "4", "tags.algorithm": "awq",
            "tags.weight_grid": "int3 sym block 64", "tags.lm_head_grid": "int8 sym per channel",
            "tags.deployable": "false", "params.quant.scheme": "16a3w_block", "tags.scheme": "16a3w_block",
            "metrics.ppl_qdq": 40.0, "metrics.ppl_qdq_vs_fp": 0.6}
-    table = device_table(_derived(pd.DataFrame([HTP, XNNPACK, PYTORCH, awq])))
+    table = device_table(derived_columns(pd.DataFrame([HTP, XNNPACK, PYTORCH, awq])))
     rows = {(r.precision, r.device): r for r in table.itertuples()}
     assert list(table["precision"])[0] == "fp32" and table.iloc[0]["PPL (all windows)"] == 24.9
     htp = rows[("16a8w", "HTP (x86 emulator)")]
@@ -291,14 +291,14 @@ def test_device_layout_gives_one_row_per_configuration_and_device():
     assert ("fp32", "XNNPACK (CPU)") not in rows  # the XNNPACK run's QNN scheme is fp32: no QDQ row of its own
     # an algorithm tagged with its non-default settings is named once (not again from its logged params)
     tuned = {**awq, "run_id": "g", "tags.algorithm": "awq(clip=false)", "params.algorithm.awq.clip": "False"}
-    table = device_table(_derived(pd.DataFrame([PYTORCH, tuned])))
+    table = device_table(derived_columns(pd.DataFrame([PYTORCH, tuned])))
     assert list(table[table["precision"] == "16a3w_block"]["config"]) == [
         "awq(clip=false), int3 sym block 64, lm head int8 sym per channel"]
 
     # the same configuration run QDQ-only too: one CPU row (the subset from the HTP run); other numbers stay apart
     qdq_only = {**HTP, "run_id": "e", "metrics.ppl_deployed": np.nan, "metrics.ppl_qdq_sub": np.nan}
     other = {**qdq_only, "run_id": "f", "metrics.ppl_qdq": 26.5}
-    table = device_table(_derived(pd.DataFrame([HTP, qdq_only, other])))
+    table = device_table(derived_columns(pd.DataFrame([HTP, qdq_only, other])))
     cpu = table[(table["precision"] == "16a8w") & (table["device"] == "CPU (QDQ)")]
     assert sorted(cpu["PPL (all windows)"]) == [25.5, 26.5]
     assert list(cpu.sort_values("PPL (all windows)")["PPL (deployed subset)"].fillna(-1)) == [23.0, -1]

@@ -18,7 +18,7 @@ Shapes = Dict[str, Tuple[int, int]]  # Meta-layout weight name -> (out, in)
 QK_NORM_ARCHITECTURES = ("qwen3", "gemma3", "gemma3_text")
 
 
-def _dims(cfg: ModelConfig) -> Optional[dict]:
+def model_dims(cfg: ModelConfig) -> Optional[dict]:
     try:
         return _read_dims(cfg)
     except Exception:  # noqa: BLE001 - unreadable metadata: the load stage reports it, in one line with its fix
@@ -76,7 +76,7 @@ def _read_dims(cfg: ModelConfig) -> Optional[dict]:
 
 
 def linear_shapes(cfg: ModelConfig) -> Optional[Shapes]:
-    d = _dims(cfg)
+    d = model_dims(cfg)
     needed = ("n_layers", "dim", "hidden_dim", "n_heads", "n_kv_heads")
     if d is None or any(not d.get(k) for k in needed):
         return None

@@ -26,7 +26,7 @@ from qexp.report.plots import PLOTS, plot
 from qexp.report.query import load_runs
 from qexp.tracking.sweep import ROLE_TAG, SWEEP_TAG
 from qexp.report.base import ReportError
-from qexp.report.table import COLUMNS, EXTRA_COLUMNS, _derived, build_report, formatted
+from qexp.report.table import COLUMNS, EXTRA_COLUMNS, derived_columns, build_report, formatted
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
 
@@ -143,7 +143,7 @@ def _tabulate(args: argparse.Namespace, runs: pd.DataFrame) -> Report:
     if args.layout == "devices":
         from qexp.report.devices import device_table
 
-        report.table = device_table(_derived(runs))
+        report.table = device_table(derived_columns(runs))
         report.notes.append("One row per configuration and device. PPL (all windows): every evaluation window; "
                             "PPL (deployed subset): the tokens the deployed phase scored, with QDQ on the same "
                             "tokens in its CPU row. Δ vs FP on the row's own tokens. A 3-bit scheme is QDQ-only "
@@ -153,7 +153,7 @@ def _tabulate(args: argparse.Namespace, runs: pd.DataFrame) -> Report:
     if args.paired_vs:
         from qexp.report.paired import add_paired
 
-        add_paired(report, _derived(runs), args.paired_vs)
+        add_paired(report, derived_columns(runs), args.paired_vs)
     if args.windows_needed:
         from qexp.report.paired import add_windows_needed
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from qexp.report.base import ReportError
-from qexp.report.query import _default_tracking_uri
+from qexp.report.query import default_tracking_uri
 
 MIN_PREFIX = 6  # hex characters of a run id: 16.7 million values, ambiguous only in huge stores (then: an error)
 
@@ -27,10 +27,10 @@ class RunSummary:
     warning: Optional[str] = None  # why this run's numbers may be incomplete (not FINISHED, deleted)
 
 
-def _client(tracking_uri: Optional[str]):
+def tracking_client(tracking_uri: Optional[str]):
     import mlflow
 
-    uri = tracking_uri or _default_tracking_uri()
+    uri = tracking_uri or default_tracking_uri()
     local = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
     if local is not None and not os.path.exists(local):  # MLflow would create an empty store and find nothing
         raise ReportError(f"no MLflow store at {local}", "pass --tracking-uri (or set MLFLOW_TRACKING_URI)")
@@ -96,7 +96,7 @@ def _started(run) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.info.start_time / 1000))
 
 
-def _summary(client, run) -> RunSummary:
+def run_summary(client, run) -> RunSummary:
     from qexp.tracking.liveness import KILLED_TAG, death_reason
 
     info, tags = run.info, run.data.tags

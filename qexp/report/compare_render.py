@@ -11,7 +11,7 @@ import numpy as np
 
 from qexp.report.compare_fetch import RunSummary
 from qexp.report.compare_runs import RELATIVE, MetricRow, RunComparison
-from qexp.report.table import _delta_cell
+from qexp.report.table import delta_cell
 
 WIDTH = 118  # flags and notes wrap here; the tables are as wide as their values
 
@@ -24,10 +24,10 @@ def _cells(row: MetricRow) -> List[str]:
     """metric, A, B, B-A, B/A-1, flag. A relative metric is in %, its B-A in percentage points, no B/A-1."""
     difference = row.b - row.a
     if RELATIVE.match(row.name):
-        a, b = _delta_cell(row.a, *row.a_interval), _delta_cell(row.b, *row.b_interval)
+        a, b = delta_cell(row.a, *row.a_interval), delta_cell(row.b, *row.b_interval)
         return [row.name, a, b, "-" if np.isnan(difference) else f"{100 * difference:+.2f} pp", "", row.flag]
     ratio = row.b / row.a - 1 if row.a and not np.isnan(row.a) else np.nan
-    return [row.name, _number(row.a), _number(row.b), _number(difference, "+", 4), _delta_cell(ratio, *row.paired),
+    return [row.name, _number(row.a), _number(row.b), _number(difference, "+", 4), delta_cell(ratio, *row.paired),
             row.flag]
 
 

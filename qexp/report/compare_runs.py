@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from qexp.eval.uncertainty import unit_interval
-from qexp.report.compare_fetch import RunSummary, _client, _summary, resolve_run
+from qexp.report.compare_fetch import RunSummary, tracking_client, run_summary, resolve_run
 from qexp.report.paired import per_window as window_loglikelihoods
 from qexp.report.query import LEGACY_NAMES, with_current_names
 from qexp.report.table import COMPARABILITY, EMULATED
@@ -266,7 +266,7 @@ def _add_task_intervals(frame: pd.DataFrame, rows: List[MetricRow], run_ids: Seq
 def compare_runs(run_a: str, run_b: str, tracking_uri: Optional[str] = None,
                  experiment: Optional[str] = None) -> RunComparison:
     """RUN_A and RUN_B (ids, unique id prefixes, or run names within `experiment`) -> their comparison."""
-    client = _client(tracking_uri)
+    client = tracking_client(tracking_uri)
     runs = [resolve_run(client, ref, experiment) for ref in (run_a, run_b)]
     frame = _frame(*runs)
     not_comparable, unknown, unknown_blocks_pairing = _not_comparable(frame)
@@ -281,5 +281,5 @@ def compare_runs(run_a: str, run_b: str, tracking_uri: Optional[str] = None,
     task_note = _add_task_intervals(frame, rows, [run.info.run_id for run in runs])
     if task_note:
         notes.append(task_note)
-    return RunComparison(_summary(client, runs[0]), _summary(client, runs[1]), params_differ, params_equal, rows,
+    return RunComparison(run_summary(client, runs[0]), run_summary(client, runs[1]), params_differ, params_equal, rows,
                          equal, not_comparable, timing, notes)

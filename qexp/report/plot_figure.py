@@ -127,7 +127,7 @@ def _rgb(colour: str) -> Tuple[float, float, float]:
     return tuple(int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5))
 
 
-def _figure(points: pd.DataFrame, shared: str, larger_x_better: bool, xlabel: str, title: str, caption: str):
+def draw_figure(points: pd.DataFrame, shared: str, larger_x_better: bool, xlabel: str, title: str, caption: str):
     """The scatter, fronts, collapsed notes, legend beside the axes and caption under them."""
     import matplotlib.pyplot as plt
 

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from qexp.report.base import Report, ReportError
-from qexp.report.plot_figure import _figure
+from qexp.report.plot_figure import draw_figure
 from qexp.report.query import LEGACY_NAMES
 from qexp.report.table import EMULATED
 
@@ -154,7 +154,7 @@ def size_figure(data: pd.DataFrame):
     if points.empty:
         return None
     axis = "average bits per decoder-linear weight, as HTP stores them" if bits else "size (MB)"
-    return _figure(points, shared, False, axis, "Perplexity vs size", caption(data, points, speed=False, bits=bits))
+    return draw_figure(points, shared, False, axis, "Perplexity vs size", caption(data, points, speed=False, bits=bits))
 
 
 def speed_figure(data: pd.DataFrame):
@@ -166,7 +166,7 @@ def speed_figure(data: pd.DataFrame):
     estimated = all(str(t).startswith(("estimate", "what-if")) for t in sources)
     axis = "decode speed (tokens/s), estimated for a phone" if estimated \
         else "decode speed (tokens/s), by source: see the fronts"
-    return _figure(points, shared, True, axis, "Perplexity vs decode speed",
+    return draw_figure(points, shared, True, axis, "Perplexity vs decode speed",
                    caption(data, points, speed=True))
 
 

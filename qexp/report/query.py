@@ -58,7 +58,7 @@ def with_current_names(runs: pd.DataFrame) -> pd.DataFrame:
     return runs
 
 
-def _default_tracking_uri() -> str:
+def default_tracking_uri() -> str:
     """$MLFLOW_TRACKING_URI or the embedded store, as the runs resolve it."""
     from qexp.config import TrackingConfig
     from qexp.tracking.store import resolve_uri
@@ -73,7 +73,7 @@ def load_runs(experiment: str, sweep: Optional[str] = None, filter_string: str =
 
     from qexp.tracking.store import reconcile_once
 
-    mlflow.set_tracking_uri(tracking_uri or _default_tracking_uri())
+    mlflow.set_tracking_uri(tracking_uri or default_tracking_uri())
     found = mlflow.get_experiment_by_name(experiment)
     if found is None:
         raise ReportError(f"no MLflow experiment {experiment!r} in {mlflow.get_tracking_uri()}",

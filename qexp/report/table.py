@@ -73,7 +73,7 @@ MIXED_COLUMNS = {"text_source": ("params.eval.text_source", "text"),
 EMULATED = {"x86_emulator"}
 
 
-def _derived(runs: pd.DataFrame) -> pd.DataFrame:
+def derived_columns(runs: pd.DataFrame) -> pd.DataFrame:
     runs = runs.copy()
     num = lambda name: pd.to_numeric(column(runs, name), errors="coerce")  # noqa: E731
     # QNN observers / calibration mean nothing for runs without a QNN scheme (fp32; XNNPACK quantizes by its qmode)
@@ -269,7 +269,7 @@ def _pivot(data: pd.DataFrame, pivot: Sequence[str]) -> pd.DataFrame:
 def build_report(runs: pd.DataFrame, columns: Optional[Sequence[str]] = None, allow_mixed: bool = False,
                  pivot: Optional[Sequence[str]] = None) -> Report:
     """runs as load_runs returns them (today's names) -> the table, its CSV data, notes and optional pivot."""
-    runs = _derived(runs)
+    runs = derived_columns(runs)
     chosen = resolve_columns(columns)
     mixed = _check_comparable(runs, allow_mixed)
     if mixed:
@@ -307,7 +307,7 @@ def build_report(runs: pd.DataFrame, columns: Optional[Sequence[str]] = None, al
     return Report(table=table, data=data, notes=notes, pivot=pivot_table)
 
 
-def _delta_cell(value: float, low: float, high: float) -> str:
+def delta_cell(value: float, low: float, high: float) -> str:
     """`+89.7% [+84.1, +95.6]`; `~` marks an interval that spans zero."""
     if pd.isna(value):
         return "-"
@@ -333,7 +333,7 @@ def formatted(table: pd.DataFrame) -> pd.DataFrame:
         values = pd.to_numeric(table[name], errors="coerce")
         if name.startswith("Δ"):
             low, high = intervals.get(name, ([np.nan] * len(values), [np.nan] * len(values)))
-            cell = _points_cell if re.search(r"\.acc(_norm)?_", name) else _delta_cell  # accuracy: in points
+            cell = _points_cell if re.search(r"\.acc(_norm)?_", name) else delta_cell  # accuracy: in points
             out[name] = [cell(v, lo, hi) for v, lo, hi in zip(values, low, high)]
         elif values.notna().any() and table[name].dtype != object:
             out[name] = [f"{v:.4g}" if abs(v) >= 100 else f"{v:.2f}" if pd.notna(v) else "-" for v in values]

@@ -46,9 +46,9 @@ def _estimate(shapes: Shapes, decode: StreamBytes, prefill: Optional[StreamBytes
 def model_shapes(model_cfg) -> Shapes:
     """A configured model's shapes from its metadata (no weight is loaded), or a ConfigError saying what to give."""
     from qexp.errors import ConfigError
-    from qexp.models.shapes import _dims
+    from qexp.models.shapes import model_dims
 
-    dims = _dims(model_cfg)
+    dims = model_dims(model_cfg)
     needed = ("n_layers", "dim", "hidden_dim", "n_heads", "vocab_size")
     if dims is None or any(not dims.get(k) for k in needed):
         raise ConfigError(f"model={model_cfg.name}: its shapes cannot be read from its metadata",
