@@ -146,7 +146,7 @@ def test_new_settings_at_their_default_keep_earlier_hashes(compose):
     for volatile in ("tracking", "cache_dir", "cache", "verbose"):
         container.pop(volatile, None)
     del container["eval"]["htp_exact"], container["quant"]["weight_range"], container["model"]["masked_softmax"]
-    del container["sensitivity"]  # None outside `python -m qexp.sensitivity`
+    del container["sensitivity"], container["search"]  # None outside `python -m qexp.sensitivity` / `.search`
     for task_setting in ("tasks", "task_paths", "task_limit"):  # the tasks stage came later too
         del container["eval"][task_setting]
     assert config_hash(cfg) == stable_hash(container, length=16)
@@ -163,7 +163,7 @@ def test_new_settings_at_their_default_keep_earlier_hashes(compose):
     for volatile in ("tracking", "cache_dir", "cache", "verbose"):
         container.pop(volatile, None)
     del container["eval"]["htp_exact"], container["quant"]["weight_range"], container["model"]["masked_softmax"]
-    del container["sensitivity"]  # None outside `python -m qexp.sensitivity`
+    del container["sensitivity"], container["search"]  # None outside `python -m qexp.sensitivity` / `.search`
     for task_setting in ("tasks", "task_paths", "task_limit"):
         del container["eval"][task_setting]
     del container["algorithm"]["weight_clip"]["objective"]
