@@ -10,10 +10,11 @@ setup:
 run: setup
 	$(VENV_PY) -m qexp +experiment=$(EXPERIMENT)
 
-# Two pytest workers, a test file each at a time (--dist loadfile: a file's module fixtures, e.g. a compiled program,
-# are built once): most tests run single-threaded Python (export, QNN's graph preparation), so two at once use both
-# cores.
-PYTEST_WORKERS ?= 2
+# Three pytest workers, a test file each at a time (--dist loadfile: a file's module fixtures, e.g. a compiled program,
+# are built once): most tests run single-threaded Python (export, QNN's graph preparation) or wait on subprocesses
+# and services, so two workers left the two cores ~40% idle (docs/testing-and-benchmarks.md has the two runs compared).
+# PYTEST_WORKERS=2 (or 1) if memory is short.
+PYTEST_WORKERS ?= 3
 
 test: setup
 	@bash scripts/setup_test_system.sh
