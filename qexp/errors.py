@@ -39,3 +39,20 @@ def require_file(path: str | None, what: str, fix: str) -> str:
     if not os.path.isfile(path):
         raise InputError(f"{what} not found: {path}", fix)
     return path
+
+
+def one_line(exc: BaseException) -> tuple[str, int]:
+    """The one terminal line and exit status of a failed command: `qexp: error:` for the user's input or environment
+    (exit 2), `qexp: failed:` with where the traceback is for anything else (exit 1). With QEXP_TRACEBACK set, a
+    non-qexp error is raised again instead, traceback and all."""
+    import os
+
+    from qexp.tracking.redact import redact_text
+
+    if isinstance(exc, QexpError):
+        return redact_text(f"qexp: error: {exc}"), 2
+    if os.environ.get("QEXP_TRACEBACK"):
+        raise exc
+    first = redact_text(str(exc).splitlines()[0]) if str(exc) else ""
+    return (f"qexp: failed: {type(exc).__name__}: {first} (traceback: error.txt of the MLflow run, or rerun with "
+            "QEXP_TRACEBACK=1)"), 1

@@ -6,14 +6,13 @@ Without -m it measures one point (`search.promote.down=3 search.promote.lm_head=
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
 import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
-from qexp.errors import QexpError
+from qexp.errors import one_line
 from qexp.tracking.redact import mask_log_records
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
@@ -23,7 +22,6 @@ mask_log_records()
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="search")
 def main(cfg: DictConfig):
     from qexp.search.run import run_trial
-    from qexp.tracking.redact import redact_text
     from qexp.tracking.sweep import current_job
 
     job = current_job(cfg.tracking.sweep)
@@ -33,20 +31,13 @@ def main(cfg: DictConfig):
         print("qexp: interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001 - one line; details in the MLflow run
-        if isinstance(exc, QexpError):
-            message = redact_text(f"qexp: error: {exc}")
-        else:
-            if os.environ.get("QEXP_TRACEBACK"):
-                raise
-            first = redact_text(str(exc).splitlines()[0]) if str(exc) else ""
-            message = (f"qexp: failed: {type(exc).__name__}: {first} (traceback: error.txt of the MLflow run, or "
-                       "rerun with QEXP_TRACEBACK=1)")
+        message, status = one_line(exc)
         if job is not None:  # the sweeper marks the trial failed; the sweep's summary reports it
             job.record("failed", getattr(exc, "run_id", None), None, str(exc)[:2000])
             print(f"{message} [trial {job.num}]", file=sys.stderr)
             return None
         print(message, file=sys.stderr)
-        sys.exit(2 if isinstance(exc, QexpError) else 1)
+        sys.exit(status)
     s = result.speed
     label = f"trial {job.num}" if job is not None else "search point"
     print(f"qexp: {label}: {result.bits:.3f} bits (lm head {result.lm_head_bits:g}), {result.ppl_ratio:+.2%} "

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
 import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
-from qexp.errors import QexpError
+from qexp.errors import one_line
 from qexp.tracking.redact import mask_log_records
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
@@ -20,7 +19,6 @@ mask_log_records()
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="sensitivity")
 def main(cfg: DictConfig) -> None:
     from qexp.sensitivity.run import recipe_name, run_analysis, unmet_budget_lines
-    from qexp.tracking.redact import redact_text
 
     try:
         run_id, analysis, recipes = run_analysis(cfg)
@@ -28,16 +26,9 @@ def main(cfg: DictConfig) -> None:
         print("qexp: interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001 - one line; details in the MLflow run
-        if isinstance(exc, QexpError):
-            message = redact_text(f"qexp: error: {exc}")
-        else:
-            if os.environ.get("QEXP_TRACEBACK"):
-                raise
-            first = redact_text(str(exc).splitlines()[0]) if str(exc) else ""
-            message = (f"qexp: failed: {type(exc).__name__}: {first} (traceback: error.txt of the MLflow run, or "
-                       "rerun with QEXP_TRACEBACK=1)")
+        message, status = one_line(exc)
         print(message, file=sys.stderr)
-        sys.exit(2 if isinstance(exc, QexpError) else 1)
+        sys.exit(status)
     s = analysis.summary
     print(f"qexp: sensitivity run {run_id} finished: {len(analysis.groups)} groups on {s['selection_windows']} "
           f"selection windows x {s['selection_window_len']} tokens "
