@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -154,7 +154,3 @@ def evaluator_for(cfg) -> Evaluator:
         log.info("search: preparing the model, the sensitivity table and the float pass (once per sweep)")
         _EVALUATOR[key] = Evaluator(cfg)
     return _EVALUATOR[key]
-
-
-def loaded_evaluator() -> Optional[Evaluator]:
-    return next(iter(_EVALUATOR.values()), None)
