@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from qexp.cache import stable_hash
 from qexp.config import SEARCH_KINDS
-from qexp.sensitivity.groups import average_bits, grids_for
+from qexp.sensitivity.groups import grids_for
 from qexp.sensitivity.replay import perplexity
 
 log = logging.getLogger("qexp")
@@ -83,7 +83,6 @@ class Evaluator:
         self.fp_ll = self.replay.loglik(0)
         self.order = kind_order(a.table, a.groups)
         self.candidates = [g for g in a.groups if g.in_recipes]
-        self.bits = a.table.set_index("group")
         self.shapes = model_shapes(cfg.model)
         self._measured: Dict[tuple, TrialResult] = {}
 
@@ -113,6 +112,7 @@ class Evaluator:
         from qexp.eval.uncertainty import ppl_ratio_interval
         from qexp.sensitivity.synthesis import recipe_overrides
         from qexp.speed import estimate_config
+        from qexp.speed.bytes import weight_size
 
         a, chosen = self.analysis, set(promoted)
 
@@ -122,16 +122,15 @@ class Evaluator:
 
         self.weights.put_all(grid)
         ll = self.replay.loglik(0)
-        bits = {g.name: self.bits.at[g.name, "bits_high" if g.name in chosen else "bits_low"] for g in self.candidates}
         overrides = recipe_overrides(a.groups, promoted, cfg.sensitivity.high, "mixed-precision search")
         quant = OmegaConf.merge(cfg.quant, {"overrides": overrides})  # typed: each override a QuantOverride
-        speed, streamed = estimate_config(self.shapes, quant, cfg.search.soc, int(cfg.export.max_context_len), None, 1)
+        speed, _ = estimate_config(self.shapes, quant, cfg.search.soc, int(cfg.export.max_context_len), None, 1)
+        size = weight_size(self.shapes, quant)  # what every run of the recipe logs as its size
         interval = ppl_ratio_interval(ll, self.fp_ll)
         ppl, ppl_fp = perplexity(ll), perplexity(self.fp_ll)
         return TrialResult(promoted, ppl, ppl_fp, ppl / ppl_fp - 1, interval.get("ci_low", np.nan),
-                           interval.get("ci_high", np.nan), average_bits(self.candidates, bits),
-                           float(bits.get(LM_HEAD, np.nan)), (streamed.weights - streamed.lm_head) / 1e6,
-                           streamed.lm_head / 1e6, speed, overrides)
+                           interval.get("ci_high", np.nan), size["weight_bits_decoder"], size["weight_bits_lm_head"],
+                           size["weights_htp_decoder_mb"], size["weights_htp_lm_head_mb"], speed, overrides)
 
 
 _EVALUATOR: Dict[str, Evaluator] = {}  # one at a time: a model's static copy and kept activations are large
