@@ -48,6 +48,11 @@ def prepare(uri: str, only: Optional[str] = None) -> List[Tuple[object, int]]:
     return experiments
 
 
+def sqlite_file(uri: str) -> Optional[str]:
+    """The file of a `sqlite:///` store URI, None for any other store."""
+    return uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from qexp.config import TrackingConfig
     from qexp.tracking.redact import redact_text
@@ -62,6 +67,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--prepare-only", action="store_true", help="install qexp's view; do not start the UI")
     args = parser.parse_args(argv)
     uri = args.tracking_uri or resolve_uri(TrackingConfig())
+    store_file = sqlite_file(uri)
+    if store_file is not None and not os.path.isfile(store_file):
+        # opening a missing sqlite store would create an empty one (and print MLflow's migration lines): say so instead
+        print(f"qexp.ui: no qexp store at {store_file} yet (`make run` makes one, or pass --tracking-uri)")
+        return 0
     try:
         experiments = prepare(uri, args.experiment)
     except QexpError as exc:

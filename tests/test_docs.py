@@ -105,7 +105,7 @@ def test_every_registered_backend_algorithm_and_family_is_documented():
     import qexp.models  # noqa: F401 - registers the families
     import qexp.transforms  # noqa: F401 - registers the algorithms
     from qexp.backends.registry import BACKENDS
-    from qexp.models.families import FAMILIES
+    from qexp.models.families import FAMILIES, FEATURES
     from qexp.transforms.base import TRANSFORMS
 
     def shipped(registry):  # what the package registers; test files register their own (another worker's import)
@@ -115,6 +115,7 @@ def test_every_registered_backend_algorithm_and_family_is_documented():
     names = [f"backend {n}" for n in shipped(BACKENDS)] + [f"algorithm {n}" for n in shipped(TRANSFORMS)]
     names += [f"family {n}" for n in FAMILIES]
     names += [f"architecture {a}" for family in FAMILIES.values() for a in family.hf_architectures]
+    names += [f"feature {n}" for n in FEATURES]
     undocumented = [n for n in names if not _named(n.split(" ", 1)[1], code)]
     assert not undocumented, f"registered but not named in code in docs/: {undocumented}"
 

@@ -54,6 +54,37 @@ def test_tiny_models_have_their_family_features(family_model):
         assert "layers.1.attention.k_norm_fn.weight" in model.state_dict
 
 
+@pytest.mark.parametrize("family", ("llama",) + FAMILIES)
+def test_declared_features_are_what_the_converted_params_say(family, compose, cache_dir):
+    """Family.features, which shape readers trust without loading weights, match the params the family's converter
+    gives its tiny model (`unit_offset_norm` is folded into the gains, so the params cannot show it); the shape
+    reader reports the q/k norm the family declares."""
+    from qexp.models.families import FAMILIES as REGISTERED
+    from qexp.models.shapes import model_dims
+
+    cfg = compose(tiny(family) if family != "llama" else TINY).model
+    p = load_model(cfg, Cache(cache_dir)).params
+    shown = {
+        "qkv_bias": bool(p.get("attention_qkv_bias")),
+        "qk_norm": bool(p.get("use_qk_norm")),
+        "sliding_window": "sliding_attention" in (p.get("layer_types") or []),
+        "post_norms": bool(p.get("post_attention_norm")) and bool(p.get("post_ffn_norm")),
+        "gelu_mlp": p.get("act_fn") == "gelu_approx",
+        "scaled_embedding": p.get("embedding_scale_factor", 1.0) != 1.0,
+    }
+    declared = REGISTERED[family].features
+    assert {name for name, present in shown.items() if present} == declared - {"unit_offset_norm"}
+    assert model_dims(cfg)["use_qk_norm"] == ("qk_norm" in declared)
+
+
+def test_an_unknown_feature_is_refused_at_registration():
+    from qexp.models.families import LLAMA, Family, register_family
+
+    with pytest.raises(ValueError, match="unknown features \\['sliding_windows'\\]"):
+        register_family(Family("typo", ("TypoForCausalLM",), LLAMA.params_from_hf_config,
+                               LLAMA.state_dict_from_hf, features=frozenset({"sliding_windows"})))
+
+
 def test_tiny_llama_key_is_unchanged(compose):
     """The tiny spec's new fields (family, head_dim) stay out of the llama's key: its cache entries and fingerprint."""
     from qexp.models.tiny import tiny_key

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from helpers import TINY, free_port
+from helpers import REPO, TINY, free_port
 from qexp.errors import TrackingError
 from qexp.pipeline import run_experiment
 
@@ -272,3 +272,12 @@ def test_a_sweep_does_not_resume_from_an_older_htp_exact_model(compose, store_ur
         assert result.skipped == skipped, name
         if not skipped:
             assert MlflowClient(store_uri).get_run(result.run_id).data.tags["htp_exact_model"] == MODELLED_OPS
+
+
+def test_the_ui_on_a_store_that_does_not_exist_yet_says_so_and_creates_nothing(tmp_path):
+    store = tmp_path / "none.db"
+    out = subprocess.run([sys.executable, "-m", "qexp.ui", "--tracking-uri", f"sqlite:///{store}"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"qexp.ui: no qexp store at {store} yet (`make run` makes one, or pass --tracking-uri)"
+    assert not store.exists() and not out.stderr

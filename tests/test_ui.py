@@ -124,3 +124,4 @@ def test_older_experiments_get_the_view(tmp_path, compose):
     tags = client.get_experiment(experiment_id).tags
     assert tags["mlflow.experimentKind"] == "custom_model_development"
     assert "mlflow.sharedViewState.qexp" in tags and "ppl_qdq" in tags["mlflow.note.content"]
+

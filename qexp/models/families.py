@@ -4,18 +4,34 @@ A family is looked up by the Hugging Face architecture name in a folder's config
 such a folder first), so adding one is one `Family` entry (here, or in a module of its own imported at the bottom,
 as qexp/models/qwen.py) plus a conf/model/<preset>.yaml. Meta checkpoints are already in the common layout (family
 `llama`). An architecture no family serves gets one line naming the supported ones.
+
+What a family's layers need beyond a plain Llama decoder is declared as data, `Family.features` (names from
+`FEATURES`), so that code reading shapes without loading weights (the HTP speed model counts an RMSNorm per q/k head
+as single-head ops) asks the family instead of keeping its own list of architectures; the tests check that each
+family's converted params say the same.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, FrozenSet, Optional, Tuple
 
 import torch
 
 from qexp.errors import InputError
 
 StateDict = Dict[str, torch.Tensor]
+
+# What a family's layers may need beyond a plain Llama decoder (the static llama's ModelArgs switch named after it).
+FEATURES: Dict[str, str] = {
+    "qkv_bias": "biases on the q, k and v projections (attention_qkv_bias)",
+    "qk_norm": "an RMSNorm on each q and k head (use_qk_norm): one more single-head op per head on HTP",
+    "sliding_window": "sliding-window attention layers beside global ones (layer_types): a second mask and RoPE table",
+    "post_norms": "norms after attention and after the MLP as well as before (post_attention_norm, post_ffn_norm)",
+    "gelu_mlp": "a GeGLU MLP with the tanh-approximated GELU (act_fn gelu_approx) instead of SwiGLU",
+    "scaled_embedding": "input embeddings scaled by sqrt(dim) (embedding_scale_factor), folded into the table",
+    "unit_offset_norm": "RMSNorm gains applied as (1 + w), folded into the gains at load",
+}
 
 
 @dataclass(frozen=True)
@@ -27,23 +43,38 @@ class Family:
     # The converted q/k rows stay in HF's rotate-half order (upstream's transform_weight=False families) instead of
     # Meta's interleaved order, which the static llama permutes back (qexp/models/static_llama.py).
     hf_rope_layout: bool = False
+    features: FrozenSet[str] = frozenset()  # names from FEATURES: what the layers need beyond a plain Llama decoder
+    gguf_architectures: Tuple[str, ...] = ()  # GGUF `general.architecture` values of this family's checkpoints
 
 
 FAMILIES: Dict[str, Family] = {}
 
 
 def register_family(family: Family) -> Family:
+    unknown = sorted(set(family.features) - set(FEATURES))
+    if unknown:
+        raise ValueError(f"family {family.name}: unknown features {unknown}; known: {sorted(FEATURES)}")
     FAMILIES[family.name] = family
     return family
 
 
+def family_of_hf_architecture(architecture: str) -> Optional[Family]:
+    """The family that converts a config.json architecture, None when none does."""
+    return next((f for f in FAMILIES.values() if architecture in f.hf_architectures), None)
+
+
 def family_for_architecture(architecture: str, where: str = "") -> Family:
-    for family in FAMILIES.values():
-        if architecture in family.hf_architectures:
-            return family
+    family = family_of_hf_architecture(architecture)
+    if family is not None:
+        return family
     supported = sorted(a for f in FAMILIES.values() for a in f.hf_architectures)
     raise InputError(f"{where + ': ' if where else ''}architecture {architecture} is not supported",
                      f"qexp converts: {', '.join(supported)}")
+
+
+def family_for_gguf_architecture(architecture: str) -> Optional[Family]:
+    """The family of a GGUF file's `general.architecture`, None when no family declares it."""
+    return next((f for f in FAMILIES.values() if architecture in f.gguf_architectures), None)
 
 
 # ---------------------------------------------------------------- Llama (Llama 2/3.x, SmolLM2, ...)
@@ -102,5 +133,6 @@ def llama_state_dict(sd: StateDict, params: dict) -> StateDict:
     return {k: v.float().contiguous() for k, v in out.items()}
 
 
-LLAMA = register_family(Family("llama", ("LlamaForCausalLM",), llama_params, llama_state_dict))
+LLAMA = register_family(Family("llama", ("LlamaForCausalLM",), llama_params, llama_state_dict,
+                               gguf_architectures=("llama",)))
 

@@ -104,6 +104,8 @@ def gemma3_state_dict(sd: StateDict, params: dict) -> StateDict:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-GEMMA3 = register_family(
-    Family("gemma3", ("Gemma3ForCausalLM",), gemma3_params, gemma3_state_dict, hf_rope_layout=True)
-)
+GEMMA3 = register_family(Family(
+    "gemma3", ("Gemma3ForCausalLM",), gemma3_params, gemma3_state_dict, hf_rope_layout=True,
+    features=frozenset({"qk_norm", "sliding_window", "post_norms", "gelu_mlp", "scaled_embedding", "unit_offset_norm"}),
+    gguf_architectures=("gemma3",),
+))

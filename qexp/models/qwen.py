@@ -77,5 +77,7 @@ def _converted(family: str, convert) -> StateDict:
                          f"the folder's weights are not a plain {family} checkpoint") from exc
 
 
-QWEN2 = register_family(Family("qwen2", ("Qwen2ForCausalLM",), qwen2_params, qwen2_state_dict, hf_rope_layout=True))
-QWEN3 = register_family(Family("qwen3", ("Qwen3ForCausalLM",), qwen3_params, qwen3_state_dict, hf_rope_layout=True))
+QWEN2 = register_family(Family("qwen2", ("Qwen2ForCausalLM",), qwen2_params, qwen2_state_dict, hf_rope_layout=True,
+                               features=frozenset({"qkv_bias"}), gguf_architectures=("qwen2",)))
+QWEN3 = register_family(Family("qwen3", ("Qwen3ForCausalLM",), qwen3_params, qwen3_state_dict, hf_rope_layout=True,
+                               features=frozenset({"qk_norm"}), gguf_architectures=("qwen3",)))

@@ -9,13 +9,15 @@ import os
 from typing import Dict, Optional, Tuple
 
 from qexp.config import ModelConfig, ModelSource
+from qexp.models.families import FAMILIES, family_for_gguf_architecture, family_of_hf_architecture
 
 Shapes = Dict[str, Tuple[int, int]]  # Meta-layout weight name -> (out, in)
 
 
-# architectures (HF model_type / GGUF general.architecture) that put an RMSNorm on each q and k head: one more
-# single-head op per q and per k head once attention is split per head (the HTP speed model counts them)
-QK_NORM_ARCHITECTURES = ("qwen3", "gemma3", "gemma3_text")
+def _qk_norm(family) -> bool:
+    """An RMSNorm on each q and k head, as the family declares it: the HTP speed model counts one more single-head op
+    per q and per k head."""
+    return family is not None and "qk_norm" in family.features
 
 
 def model_dims(cfg: ModelConfig) -> Optional[dict]:
@@ -29,18 +31,20 @@ def _read_dims(cfg: ModelConfig) -> Optional[dict]:
     if cfg.source == ModelSource.tiny:
         spec = cfg.tiny
         return {"n_layers": spec.n_layers, "dim": spec.dim, "hidden_dim": spec.hidden_dim, "n_heads": spec.n_heads,
-                "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim, "vocab_size": spec.vocab_size}
+                "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim, "vocab_size": spec.vocab_size,
+                "use_qk_norm": _qk_norm(FAMILIES.get(spec.family))}
     if cfg.source == ModelSource.hf and cfg.path:
         path = os.path.join(os.path.expanduser(cfg.path), "config.json")
         if not os.path.isfile(path):
             return None
-        c = json.loads(open(path).read())
-        c = c.get("text_config", c)
+        outer = json.loads(open(path).read())
+        c = outer.get("text_config", outer)
+        architecture = (outer.get("architectures") or ["LlamaForCausalLM"])[0]
         return {"n_layers": c.get("num_hidden_layers"), "dim": c.get("hidden_size"),
                 "hidden_dim": c.get("intermediate_size"), "n_heads": c.get("num_attention_heads"),
                 "n_kv_heads": c.get("num_key_value_heads", c.get("num_attention_heads")),
                 "head_dim": c.get("head_dim"), "vocab_size": c.get("vocab_size"),
-                "use_qk_norm": c.get("model_type") in QK_NORM_ARCHITECTURES}
+                "use_qk_norm": _qk_norm(family_of_hf_architecture(architecture))}
     if cfg.source == ModelSource.gguf:
         from qexp.models.sources import SHIPPED_GGUF, shipped_gguf
 
@@ -66,7 +70,7 @@ def _read_dims(cfg: ModelConfig) -> Optional[dict]:
                 "hidden_dim": value("feed_forward_length"), "n_heads": value("attention.head_count"),
                 "n_kv_heads": value("attention.head_count_kv"), "head_dim": value("attention.key_length"),
                 "vocab_size": value("vocab_size") or (len(tokens.data) if tokens is not None else None),
-                "use_qk_norm": arch in QK_NORM_ARCHITECTURES}
+                "use_qk_norm": _qk_norm(family_for_gguf_architecture(arch))}
     if cfg.source == ModelSource.meta_checkpoint and cfg.params and os.path.isfile(os.path.expanduser(cfg.params)):
         p = json.loads(open(os.path.expanduser(cfg.params)).read())
         return {"n_layers": p.get("n_layers"), "dim": p.get("dim"), "hidden_dim": p.get("hidden_dim"),
