@@ -1,6 +1,7 @@
 """Beyond one process tree, on real engines installed and started by the project's scripts (scripts/services/):
 a team MLflow store on PostgreSQL (a sweep logs to it; its server killed mid-sweep and brought back) and sweeps as
-real SLURM jobs on a single-node cluster (a job that raises, a job past its time limit, a cancelled job, the re-run).
+real SLURM jobs on a single-node cluster (a job that raises, a job past its time limit, a cancelled job, the re-run,
+a job pre-empted by a higher-priority partition and requeued).
 Each skips with one line where its services cannot be installed or started (not root, no Debian packages)."""
 
 from __future__ import annotations
@@ -137,17 +138,18 @@ def _hold_tiny_model_entries(compose, cache: Path, seeds, release: threading.Eve
         release.wait()
 
 
-def _slurm_job_of_waiting_run(uri: str, seed: str, timeout: float = 400) -> dict:
-    """The tags (SLURM job as ARRAYJOB_TASK, pid) of the RUNNING run for the tiny model of `seed`."""
+def _slurm_job_of_waiting_run(uri: str, seed: str, timeout: float = 400, experiment: str = "slurm") -> dict:
+    """The tags (SLURM job, as ARRAYJOB_TASK in an array of several, pid) of the RUNNING run for the tiny model of
+    `seed`."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         time.sleep(1)
-        if MlflowClient(uri).get_experiment_by_name("slurm") is None:
+        if MlflowClient(uri).get_experiment_by_name(experiment) is None:
             continue
-        waiting = [r for r in _runs(uri, "slurm") if r.info.status == "RUNNING"
+        waiting = [r for r in _runs(uri, experiment) if r.info.status == "RUNNING"
                    and r.data.params.get("model.tiny.seed") == seed]
         if waiting:
-            assert "_" in waiting[0].data.tags["qexp.slurm_job_id"]
+            assert experiment != "slurm" or "_" in waiting[0].data.tags["qexp.slurm_job_id"]
             return waiting[0].data.tags
     raise AssertionError(f"the job for seed {seed} never started its run")
 
@@ -202,3 +204,47 @@ def test_a_sweep_of_real_slurm_jobs(slurm, team_store, compose, tmp_path):
     rerun = sweep("rerun", timeout_min=5)
     stdout, stderr = rerun.communicate(timeout=900)
     assert rerun.returncode == 1 and "3 finished, 1 failed, 2 skipped" in stdout, stdout[-2000:] + stderr[-2000:]
+
+
+def test_a_preempted_job_is_requeued_and_finishes(slurm, team_store, compose, tmp_path):
+    """A job of the pre-emptible partition (debug), waiting on a cache entry this test holds, is pre-empted by a job
+    of the urgent partition that needs the whole node: SLURM sends it submitit's USR2 at once, submitit requeues it,
+    and its run ends KILLED as requeued; once the node is free the requeued job (same SLURM job) runs again in a new
+    run and finishes, and the sweep ends as one finished job."""
+    cache = tmp_path / "cache"
+    release, held = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold_tiny_model_entries, args=(compose, cache, (104,), release, held))
+    holder.start()
+    assert held.wait(120)
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "qexp", "-m", *TINY, "model.tiny.seed=104", "quant=16a8w", "hydra/launcher=slurm",
+         "hydra.launcher.timeout_min=20", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=3",
+         f"hydra.sweep.dir={tmp_path / 'sweep'}", "tracking=server", f"tracking.uri={team_store}",
+         "tracking.experiment=preempt", f"cache_dir={cache}"],
+        cwd=REPO, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        job = _slurm_job_of_waiting_run(team_store, "104", experiment="preempt")["qexp.slurm_job_id"]
+        urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-c", str(os.cpu_count()), "-t", "2",
+                                 "-o", "/dev/null", "--wrap", "sleep 3"], env=slurm, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        deadline = time.time() + 120
+        while time.time() < deadline and not [r for r in _runs(team_store, "preempt") if r.info.status == "KILLED"]:
+            time.sleep(1)
+        release.set()
+        # SLURM holds a requeued batch job for ~2 minutes (its BeginTime) before it may start again: start it now
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, capture_output=True)
+        stdout, stderr = sweep.communicate(timeout=600)
+    finally:
+        sweep.kill()
+        release.set()
+        holder.join()
+    assert sweep.returncode == 0, stdout[-2000:] + stderr[-2000:]
+    assert "1 finished, 0 failed, 0 skipped" in stdout, stdout[-2000:] + stderr[-2000:]
+    runs = {r.info.status: r for r in _runs(team_store, "preempt") if r.data.tags.get("qexp.role") != "sweep"}
+    assert set(runs) == {"KILLED", "FINISHED"}, {r.info.run_id: r.info.status for r in runs.values()}
+    assert "pre-empted by SLURM and requeued" in runs["KILLED"].data.tags["qexp.killed_reason"]
+    assert runs["KILLED"].data.tags["config_hash"] == runs["FINISHED"].data.tags["config_hash"]
+    assert runs["KILLED"].data.tags["qexp.slurm_job_id"] == runs["FINISHED"].data.tags["qexp.slurm_job_id"] == job
+    state = subprocess.run(["sacct", "-X", "-n", "-P", "-j", urgent, "-o", "State"], env=slurm, capture_output=True,
+                           text=True).stdout.split()
+    assert state and state[0] == "COMPLETED", state

@@ -4,7 +4,9 @@ Hydra's submitit launcher submits the jobs as one array. Two things it leaves op
 - In the job: SLURM ends a job with SIGTERM (`scancel`, the time limit, a node going down) and warns of the time
   limit with USR2 `signal_delay_s` before it. submitit ignores SIGTERM and turns USR2 into an exception only when the
   job cannot be requeued. Here both end the run KILLED at once, with SLURM's own account of the job (`sacct`) as the
-  reason; a job submitit requeues (pre-emption) ends its run KILLED as requeued and exits as submitit wants.
+  reason; a job submitit requeues (pre-emption) ends its run KILLED as requeued and exits as submitit wants. A
+  pre-empted job may get SIGTERM instead of USR2 (GraceTime without preempt_send_user_signal): SLURM's PreemptTime
+  tells the two apart, and the pre-empted job is requeued all the same.
 - In the launching process: a job that died without a word (SIGKILL, a node failure, cancelled while still pending)
   makes submitit's `results()` raise, which would end the whole sweep with a traceback and leave the job's run
   RUNNING. qexp's launcher (hydra_plugins/qexp_slurm_launcher: Hydra finds launchers only there) catches it per
@@ -75,26 +77,53 @@ def slurm_reason(exc: BaseException) -> str:
     return str(exc)
 
 
+def preempt_time(job_id: str) -> Optional[str]:
+    """When SLURM chose this job for pre-emption (squeue's PreemptTime), or None: not pre-empted, or unknown."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-O", "PreemptTime"], capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out if out and out not in ("N/A", "None", "Unknown") else None
+
+
 def install_job_signals() -> None:
     """In a SLURM job: SIGTERM and the time-limit warning end the run (see the module's docstring)."""
     if not slurm_job_id():
         return
-
-    def on_term(signum, frame):
-        raise JobTerminated("ended by SLURM (SIGTERM: scancel, its time limit or its node shutting down)")
-
-    signal.signal(signal.SIGTERM, on_term)
     submitit_handler = signal.getsignal(signal.SIGUSR2)
-    if not callable(submitit_handler):  # not started by submitit: USR2 only if the user asked for it
-        return
+    started_by_submitit = callable(submitit_handler)
+    ending = []  # the first signal decides how the job ends; later ones (srun forwards USR2 again, the requeue's
+    # SIGTERM) must not replace it while the run is being ended
 
     def on_warning(signum, frame):
+        if ending:
+            return
+        ending.append(signum)
         try:
             submitit_handler(signum, frame)  # requeues (exits) or raises when it cannot
         except SystemExit as requeued:
             raise JobTerminated("pre-empted by SLURM and requeued by submitit", exit_code=requeued.code) from None
-        except Exception as cannot:  # noqa: BLE001 - submitit's UncompletedJobError
+        except Exception as cannot:  # noqa: BLE001 - submitit's UncompletedJobError, or scontrol failing
+            if type(cannot).__name__ != "UncompletedJobError":
+                raise JobTerminated(f"pre-empted by SLURM; submitit could not requeue it ({cannot})") from None
             raise JobTerminated(f"reached its SLURM time limit (USR2 signal_delay_s before it; {cannot})",
                                 time_limit=True) from None
 
-    signal.signal(signal.SIGUSR2, on_warning)
+    def on_term(signum, frame):
+        if ending:
+            return
+        # A pre-empted job gets SIGTERM at the start of its partition's GraceTime (SLURM sends the --signal instead
+        # only with SchedulerParameters=preempt_send_user_signal): that is a requeue, not an end, so it goes the way
+        # submitit's USR2 goes (requeue, then exit); outside submitit SLURM requeues the job itself.
+        if preempt_time(slurm_job_id()):
+            if started_by_submitit:
+                on_warning(signal.SIGUSR2, frame)
+            ending.append(signum)
+            raise JobTerminated("pre-empted by SLURM (SIGTERM at the start of its grace time; SLURM requeues it)")
+        ending.append(signum)
+        raise JobTerminated("ended by SLURM (SIGTERM: scancel, its time limit or its node shutting down)")
+
+    signal.signal(signal.SIGTERM, on_term)
+    if started_by_submitit:  # not started by submitit: USR2 only if the user asked for it
+        signal.signal(signal.SIGUSR2, on_warning)

@@ -58,7 +58,13 @@ MailProg=/bin/true
 # a job that asks no memory gets its share per CPU (not the whole node, which would run one job at a time)
 DefMemPerCPU=$((mem / cpus))
 NodeName=$NODE CPUs=$cpus RealMemory=$mem State=UNKNOWN
-PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
+# Pre-emption as a lab's scavenger partition has it: a job of partition urgent that needs the node requeues the
+# jobs of partition debug. They get SIGTERM at once and GraceTime to end (SchedulerParameters=preempt_send_user_signal
+# would send submitit's USR2 instead; SLURM's default, kept here, is the case qexp must tell from scancel).
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30
+PartitionName=urgent Nodes=$NODE MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 CONF
   [ -s "$D/slurmdb-password" ] || (umask 077; head -c 18 /dev/urandom | base64 | tr -d '/+=' > "$D/slurmdb-password")
   (umask 077; cat > "$CONF_DIR/slurmdbd.conf" <<CONF
