@@ -231,8 +231,12 @@ def test_a_preempted_job_is_requeued_and_finishes(slurm, team_store, compose, tm
         while time.time() < deadline and not [r for r in _runs(team_store, "preempt") if r.info.status == "KILLED"]:
             time.sleep(1)
         release.set()
-        # SLURM holds a requeued batch job for ~2 minutes (its BeginTime) before it may start again: start it now
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, capture_output=True)
+        # SLURM holds a requeued batch job for ~2 minutes (its BeginTime) before it may start again: start it now,
+        # once it is pending again (while the requeue completes, the update is refused)
+        deadline = time.time() + 60
+        while time.time() < deadline and subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"],
+                                                        env=slurm, capture_output=True).returncode != 0:
+            time.sleep(1)
         stdout, stderr = sweep.communicate(timeout=600)
     finally:
         sweep.kill()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import signal
 import subprocess
+import time
 from typing import Optional
 
 from qexp.tracking.liveness import slurm_job_id
@@ -63,9 +64,20 @@ def squeue_times(job_id: str) -> Optional[str]:
     return f"ran {used} of {limit}" if used and limit else None
 
 
+def _sacct_state_soon(job_id: str, tries: int = 3) -> Optional[str]:
+    """sacct_state, asked again for a moment while accounting has no record yet (slurmctld passes a new array task's
+    record to slurmdbd later under load); short, because SIGKILL follows SIGTERM after the cluster's KillWait."""
+    for attempt in range(tries):
+        state = sacct_state(job_id)
+        if state or attempt == tries - 1:
+            return state
+        time.sleep(1.0)
+    return None
+
+
 def _describe(exc: "JobTerminated") -> str:
     job_id = slurm_job_id()
-    account = (squeue_times if exc.time_limit else sacct_state)(job_id) if job_id else None
+    account = (squeue_times if exc.time_limit else _sacct_state_soon)(job_id) if job_id else None
     return f"{exc.what}; SLURM job {job_id}: {account}" if account else f"{exc.what}; SLURM job {job_id}"
 
 
