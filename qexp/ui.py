@@ -48,15 +48,10 @@ def prepare(uri: str, only: Optional[str] = None) -> List[Tuple[object, int]]:
     return experiments
 
 
-def sqlite_file(uri: str) -> Optional[str]:
-    """The file of a `sqlite:///` store URI, None for any other store."""
-    return uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from qexp.config import TrackingConfig
     from qexp.tracking.redact import redact_text
-    from qexp.tracking.store import resolve_uri
+    from qexp.tracking.store import resolve_uri, sqlite_file
     from qexp.tracking.ui_view import landing_url
 
     parser = argparse.ArgumentParser(prog="python -m qexp.ui", description=__doc__.split("\n\n")[0])

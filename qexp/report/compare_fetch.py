@@ -13,6 +13,7 @@ from typing import Dict, List, Optional
 
 from qexp.report.base import ReportError
 from qexp.report.query import default_tracking_uri
+from qexp.tracking.store import sqlite_file
 
 MIN_PREFIX = 6  # hex characters of a run id: 16.7 million values, ambiguous only in huge stores (then: an error)
 
@@ -31,7 +32,7 @@ def tracking_client(tracking_uri: Optional[str]):
     import mlflow
 
     uri = tracking_uri or default_tracking_uri()
-    local = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
+    local = sqlite_file(uri)
     if local is not None and not os.path.exists(local):  # MLflow would create an empty store and find nothing
         raise ReportError(f"no MLflow store at {local}", "pass --tracking-uri (or set MLFLOW_TRACKING_URI)")
     mlflow.set_tracking_uri(uri)  # paired.per_window reads artifacts through the global URI, as the report does

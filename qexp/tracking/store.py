@@ -41,6 +41,11 @@ def embedded_store_uri(root: Path = REPO_ROOT) -> str:
     return f"sqlite:///{root / 'mlruns.db'}"
 
 
+def sqlite_file(uri: str) -> Optional[str]:
+    """The file of a `sqlite:///` store URI, None for any other store."""
+    return uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
+
+
 def config_yaml(cfg: DictConfig) -> str:
     """The resolved config as the run's config.yaml artifact, secrets masked."""
     return OmegaConf.to_yaml(redact(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
@@ -51,10 +56,10 @@ def _sqlite_initialised_once(uri: str) -> Iterator[None]:
     """Around the first access to a sqlite store: create its file readable by its owner only (MLflow would make it
     world-readable), and hold a file lock, because MLflow creates and migrates the schema on first access and two
     processes doing so at once fail with "duplicate column name" (measured: two sweeps started together)."""
-    if not uri.startswith("sqlite:///"):
+    if sqlite_file(uri) is None:
         yield
         return
-    path = Path(uri[len("sqlite:///"):])
+    path = Path(sqlite_file(uri))
     if not path.parent.is_dir():
         yield
         return
