@@ -53,14 +53,18 @@ def sacct_state(job_id: str) -> Optional[str]:
     return f"{state}, exit code {exit_code}" if exit_code and exit_code != "0:0" else state
 
 
+def _squeue(job_id: str, *format_args: str) -> str:
+    """squeue's line for the job in the given format, "" when squeue cannot answer."""
+    try:
+        return subprocess.run(["squeue", "-h", "-j", str(job_id), *format_args], capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
 def squeue_times(job_id: str) -> Optional[str]:
     """How long the job has run of its time limit, e.g. "ran 0:31 of 1:00", or None."""
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%M|%l"], capture_output=True, text=True,
-                             timeout=30).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    used, _, limit = out.partition("|")
+    used, _, limit = _squeue(job_id, "-o", "%M|%l").partition("|")
     return f"ran {used} of {limit}" if used and limit else None
 
 
@@ -91,11 +95,7 @@ def slurm_reason(exc: BaseException) -> str:
 
 def preempt_time(job_id: str) -> Optional[str]:
     """When SLURM chose this job for pre-emption (squeue's PreemptTime), or None: not pre-empted, or unknown."""
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-O", "PreemptTime"], capture_output=True, text=True,
-                             timeout=30).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+    out = _squeue(job_id, "-O", "PreemptTime")
     return out if out and out not in ("N/A", "None", "Unknown") else None
 
 
