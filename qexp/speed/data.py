@@ -52,10 +52,14 @@ class Point:
         return f"{self.model} {self.quant}{extra} ctx {self.context} {self.soc} {what} ({self.kind}, {self.source})"
 
 
+RUNTIMES = ("executorch", "genie")  # the runners the figures were timed with (qexp.speed.model: CallFeatures.genie)
+
+
 @dataclass(frozen=True)
 class Published:
     socs: Dict[str, Soc]
-    sources: Dict[str, str]
+    sources: Dict[str, str]  # key -> reference
+    runtimes: Dict[str, str]  # source key -> runtime
     decode: List[Point]
     ttft: List[Point]
     sha256: str  # of the data file: part of the estimate's version
@@ -125,7 +129,12 @@ def published(path: Optional[str] = None) -> Published:
                      ar_len=ar_len, prompt=int(entry.get("prompt", 0)), use=bool(entry.get("use", True)),
                      label=entry.get("label", ""), why=entry.get("why", ""))
 
-    return Published(socs=socs, sources=dict(data["sources"]),
+    for key, source in data["sources"].items():
+        if source.get("runtime") not in RUNTIMES:
+            raise ConfigError(f"published.yaml: source {key} has runtime {source.get('runtime')!r}",
+                              f"give one of {', '.join(RUNTIMES)}")
+    return Published(socs=socs, sources={key: s["ref"] for key, s in data["sources"].items()},
+                     runtimes={key: s["runtime"] for key, s in data["sources"].items()},
                      decode=[point(e, "decode_tok_s") for e in data["decode"]],
                      ttft=[point(e, "ttft_ms") for e in data["ttft"]],
                      sha256=hashlib.sha256(text.encode()).hexdigest(), path=file)

@@ -1,7 +1,7 @@
 """Fitting the speed model to the published figures, and its leave-one-out error.
 
 Decode parameters (bandwidth efficiency, its growth with the NPU generation, the per-head-op cost, the KV cache's
-extra cost) are fitted to every decode point with `use: true`, in log space (relative errors: a 20 tok/s model and
+extra cost, Genie's speed-up over ExecuTorch's runner) are fitted to every decode point with `use: true`, in log space (relative errors: a 20 tok/s model and
 a 250 tok/s one weigh alike); the prefill compute rate is then fitted to the TTFT points. Leave-one-out: each point
 predicted by the model fitted without it, which is the error a new program's estimate should expect."""
 
@@ -18,7 +18,7 @@ import numpy as np
 from qexp.speed.data import Point, Published, published
 from qexp.speed.model import VERSION, CallFeatures, SpeedModel
 
-DECODE_START = (0.5, 0.5, 0.3, 1.5)  # bandwidth_efficiency, compute_exponent, head_op_us, kv_extra
+DECODE_START = (0.5, 0.5, 0.3, 1.5, 1.0)  # bandwidth_efficiency, compute_exponent, head_op_us, kv_extra, genie_speedup
 PREFILL_START = 10.0
 
 
@@ -65,7 +65,8 @@ class _Stacked:
 
     @classmethod
     def of(cls, points: List[Point], data: Published) -> "_Stacked":
-        features = [CallFeatures.of(p.shapes, p.bytes_per_call, data.socs[p.soc], p.ar_len, p.context) for p in points]
+        features = [CallFeatures.of(p.shapes, p.bytes_per_call, data.socs[p.soc], p.ar_len, p.context,
+                                    data.runtimes[p.source]) for p in points]
         calls = [1 if p.metric == "decode_tok_s" else math.ceil(p.prompt / p.ar_len) for p in points]
         return cls(CallFeatures.stack(features), np.array(calls, dtype=float),
                    np.array([p.metric == "decode_tok_s" for p in points]), np.array([p.value for p in points]))

@@ -5,8 +5,8 @@ One call of a graph (decode: AR-1; prefill: one chunk of AR-N tokens) costs
 
     fixed + max(memory, compute)
     fixed   = head_ops * head_op_us / relative_compute
-    memory  = bytes / (bandwidth_efficiency * peak_gbs * relative_compute ** compute_exponent)
-              + kv_extra * kv_cache_bytes / peak_gbs
+    memory  = bytes / (bandwidth_efficiency * peak_gbs * relative_compute ** compute_exponent * genie_speedup ** genie)
+              + kv_extra * kv_cache_bytes * heads / kv_heads / peak_gbs
     compute = flops / (prefill_tops * relative_compute)
 
 - `head_ops` = layers x (heads + 2 x KV heads, + heads + KV heads with q/k norm): upstream's lowering splits
@@ -15,7 +15,13 @@ One call of a graph (decode: AR-1; prefill: one chunk of AR-N tokens) costs
   an RMSNorm on each q and k head (Qwen3, Gemma 3) runs one more single-head op per q and per k head.
 - the achieved bandwidth grows with the NPU generation, not only with DRAM's peak: SM8650 -> SM8750 gave
   1.21-1.45x on the same programs where peak bandwidth grew 1.10x.
-- reading the KV cache costs more per byte than reading weights (strided, per head).
+- each single-head attention op reads its KV head's cache, so a model with grouped-query attention reads each
+  cache once per query head (heads / kv_heads times); QNN's DDR count of a compiled program does not show these
+  reads (they stay in the accelerator's caches), but they cost time: Qwen3's recipe at seq 1024 (8 KV heads, 2 query
+  heads each) is no faster than 16a8w at context 128.
+- the published figures come from two runtimes: ExecuTorch's runner (qexp's programs, `genie` 0) and Qualcomm's
+  Genie (AI Hub's, `genie` 1), which streams the same bytes faster (Llama-3.2-1B at 4 bits: 64 tok/s on SM8750
+  under Genie, a 45 tok/s floor under ExecuTorch); its speed-up is fitted, and qexp's estimates are ExecuTorch's.
 - a decode step's compute is negligible beside its bytes; a prefill chunk of 128 tokens is compute-bound.
 It cannot know a phone's thermal state, other apps, the runner's own overheads, or the DRAM clock a phone runs at.
 """
@@ -30,7 +36,7 @@ import numpy as np
 
 from qexp.speed.bytes import Shapes, StreamBytes
 
-VERSION = "roofline-v2"  # v2: the per-head q/k norms count as single-head ops
+VERSION = "roofline-v3"  # v2: per-head q/k norms are single-head ops; v3: KV read per query head, Genie runtime
 
 
 def head_ops(shapes: Shapes) -> int:
@@ -50,7 +56,8 @@ class SpeedModel:
     bandwidth_efficiency: float  # fraction of the peak DRAM bandwidth a weight stream gets at relative_compute 1
     compute_exponent: float  # achieved bandwidth ~ peak x relative_compute ** this
     head_op_us: float  # fixed cost per layer and single-head attention op at relative_compute 1, microseconds
-    kv_extra: float  # extra cost of a KV-cache byte, in units of a byte at the peak bandwidth
+    kv_extra: float  # extra cost of a KV-cache byte read by one query head, in units of a byte at the peak bandwidth
+    genie_speedup: float = 1.0  # achieved bandwidth of Qualcomm's Genie runtime over ExecuTorch's runner
     prefill_tops: float = 10.0  # effective tera-ops/s of a prefill chunk at relative_compute 1
 
     def as_dict(self) -> dict:
@@ -63,8 +70,9 @@ class SpeedModel:
     def seconds(self, f: "CallFeatures"):
         """call_seconds on features (numpy arrays of many calls at once, as the fit evaluates them)."""
         fixed = f.head_ops * self.head_op_us * 1e-6 / f.relative_compute
-        bandwidth = self.bandwidth_efficiency * f.peak_gbs * 1e9 * f.relative_compute ** self.compute_exponent
-        memory = f.total_bytes / bandwidth + self.kv_extra * f.kv_bytes / (f.peak_gbs * 1e9)
+        bandwidth = (self.bandwidth_efficiency * f.peak_gbs * 1e9 * f.relative_compute ** self.compute_exponent
+                     * self.genie_speedup ** f.genie)
+        memory = f.total_bytes / bandwidth + self.kv_extra * f.kv_head_reads / (f.peak_gbs * 1e9)
         compute = f.flops / (self.prefill_tops * 1e12 * f.relative_compute)
         return fixed + np.maximum(memory, compute)
 
@@ -79,15 +87,18 @@ class CallFeatures:
 
     head_ops: Any
     total_bytes: Any
-    kv_bytes: Any
+    kv_head_reads: Any  # the KV cache's bytes times the query heads that read each KV head
     flops: Any
     peak_gbs: Any
     relative_compute: Any
+    genie: Any = 0.0  # 1: the figure is Qualcomm's Genie runtime's, 0: ExecuTorch's runner (every qexp program)
 
     @classmethod
-    def of(cls, shapes: Shapes, streamed: StreamBytes, soc, ar_len: int, context: int) -> "CallFeatures":
-        return cls(head_ops(shapes), streamed.total, streamed.kv_cache, flops(shapes, ar_len, context), soc.peak_gbs,
-                   soc.relative_compute)
+    def of(cls, shapes: Shapes, streamed: StreamBytes, soc, ar_len: int, context: int,
+           runtime: str = "executorch") -> "CallFeatures":
+        reads = streamed.kv_cache * shapes.n_heads / shapes.n_kv_heads
+        return cls(head_ops(shapes), streamed.total, reads, flops(shapes, ar_len, context), soc.peak_gbs,
+                   soc.relative_compute, 1.0 if runtime == "genie" else 0.0)
 
     @classmethod
     def stack(cls, features: List["CallFeatures"]) -> "CallFeatures":
