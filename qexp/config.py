@@ -210,6 +210,9 @@ class EvalConfig:
     tasks: List[str] = field(default_factory=list)
     task_paths: List[str] = field(default_factory=list)  # folders of lm-eval task YAMLs (lm-eval's --include_path)
     task_limit: Optional[int] = None  # items per task (lm-eval's --limit); null: every item
+    # items per task the deployed program scores too (the XNNPACK .pte, or the HTP program on the x86 emulator: one
+    # request per call, seconds each on the emulator); 0: the deployed program scores no task
+    deployed_task_limit: int = 0
 
 
 @dataclass

@@ -13,7 +13,7 @@ import logging
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import numpy as np
 import pandas as pd
@@ -68,6 +68,7 @@ class RunState:
     deploy_model: Any = None  # the model with every transform applied: what QDQ and the backend use
     static: Any = None  # the static llama of deploy_model
     qdq: Optional[QdqPhase] = None
+    task_results: List[Any] = field(default_factory=list)  # the CPU phases' TaskResults (the deployed one pairs them)
 
     def __post_init__(self):
         self.cache = self.cache or Cache(self.cfg.cache_dir, self.cfg.cache.lock_timeout_s)
@@ -136,7 +137,7 @@ def validate(cfg: DictConfig) -> Backend:
                               f"lower {key} or raise export.max_context_len")
     if cfg.eval.limit != "all" and not (isinstance(cfg.eval.limit, int) and cfg.eval.limit >= 1):
         raise ConfigError(f"eval.limit={cfg.eval.limit}", "evaluate at least one window, or eval.limit=all")
-    if cfg.eval.get("tasks") or cfg.eval.get("task_paths"):
+    if cfg.eval.get("tasks") or cfg.eval.get("task_paths") or cfg.eval.get("deployed_task_limit"):
         from qexp.tasks.harness import check_tasks
 
         check_tasks(cfg)

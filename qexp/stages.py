@@ -290,6 +290,10 @@ def deploy(state) -> None:
         state.log_text(content, path)
     if result.deployed is not None:
         _score_deployed(state, result.deployed)
+    if result.task_scorer is not None:
+        from qexp.tasks.stage import score_deployed_tasks
+
+        score_deployed_tasks(state, result.task_scorer)
 
 
 def _score_deployed(state, deployed) -> None:

@@ -168,7 +168,39 @@ def test_a_run_scores_tasks_on_each_phase(compose, tmp_path):
     assert any("items both runs scored" in note for note in comparison.notes)
 
 
+def test_the_deployed_program_scores_tasks_on_a_budget(compose):
+    """eval.deployed_task_limit: XNNPACK's fp32 .pte scores the first items of each task one request at a time, and
+    its per-item log-likelihoods are FP's (the same function, as its window perplexity is), paired with FP."""
+    import mlflow
+    import pandas as pd
+
+    from qexp.pipeline import run_experiment
+
+    overrides = TINY + SEQ + ["quant=fp32", "backend=xnnpack", "backend.qmode=fp32", "backend.bench.repeats=1",
+                              "backend.bench.warmup=0", "backend.bench.new_tokens=4", f"eval.tasks=[{','.join(TASKS)}]",
+                              "eval.task_limit=8", "eval.deployed_task_limit=3"]
+    result = run_experiment(compose(overrides))
+    m = result.metrics
+    assert 0 <= m["task.qexp_lastword_wikitext.acc_deployed"] <= 1
+    assert "task.qexp_choice_wikitext.acc_norm_deployed_vs_fp_ci_low" in m
+    client = mlflow.tracking.MlflowClient(mlflow.get_tracking_uri())
+    items = {phase: pd.read_csv(client.download_artifacts(result.run_id, f"tasks/items_{phase}.csv"))
+             for phase in ("fp", "deployed")}
+    assert len(items["deployed"]) == 3 + 3 and len(items["fp"]) == 8 + 8
+    both = items["deployed"].merge(items["fp"], on=["task", "doc_id"], suffixes=("_xnn", "_fp"))
+    lastword = both[both.task == "qexp_lastword_wikitext"]
+    assert len(lastword) == 3
+    assert np.allclose(lastword["perplexity_xnn"], lastword["perplexity_fp"], atol=1e-3, rtol=0)
+    choice = both[both.task == "qexp_choice_wikitext"]
+    assert (choice["acc_xnn"] == choice["acc_fp"]).all()
+
+
 @pytest.mark.parametrize("override,message", [
+    (["eval.deployed_task_limit=3"], "eval.deployed_task_limit without eval.tasks"),
+    (["eval.tasks=[qexp_choice_news]", "eval.deployed_task_limit=3"], "backend=none has no deployed program"),
+    (["eval.tasks=[qexp_choice_news]", "eval.deployed_task_limit=-1"], "eval.deployed_task_limit=-1"),
+    (["eval.tasks=[qexp_choice_news]", "eval.deployed_task_limit=3", "backend=htp", "backend.target=android",
+      "backend.serial=x"], "on a phone scores perplexity windows only"),
     (["eval.tasks=[qexp_lastword_wikitxt]"], "unknown task 'qexp_lastword_wikitxt'.*mean qexp_lastword_wikitext"),
     (["eval.tasks=[no_such_task_anywhere]"], "unknown task 'no_such_task_anywhere'"),
     (["eval.tasks=[qexp_choice_news]", "eval.task_limit=0"], "eval.task_limit=0"),

@@ -13,7 +13,7 @@ qexp/backends/__init__.py. See docs/architecture.md.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Dict, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Optional
 
 if TYPE_CHECKING:  # typing only: this module stays import-light (the config schema imports it)
     from omegaconf import DictConfig
@@ -91,6 +91,7 @@ class PhaseResult:
     metrics: Dict[str, float] = field(default_factory=dict)
     tags: Dict[str, str] = field(default_factory=dict)
     texts: Dict[str, str] = field(default_factory=dict)  # artifact path -> content
+    task_scorer: Optional[Any] = None  # the deployed program as a task scorer (qexp.tasks.deployed.DeployedScorer)
 
 
 class Backend:

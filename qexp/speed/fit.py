@@ -1,8 +1,9 @@
 """Fitting the speed model to the published figures, and its leave-one-out error.
 
 Decode parameters (bandwidth efficiency, its growth with the NPU generation, the per-head-op cost, the KV cache's
-extra cost, Genie's speed-up over ExecuTorch's runner) are fitted to every decode point with `use: true`, in log space (relative errors: a 20 tok/s model and
-a 250 tok/s one weigh alike); the prefill compute rate is then fitted to the TTFT points. Leave-one-out: each point
+extra cost, Genie's speed-up over ExecuTorch's runner) are fitted to every decode point with `use: true`, in log
+space (relative errors: a 20 tok/s model and a 250 tok/s one weigh alike); the prefill compute rate is then fitted
+to the TTFT points. Leave-one-out: each point
 predicted by the model fitted without it, which is the error a new program's estimate should expect."""
 
 from __future__ import annotations

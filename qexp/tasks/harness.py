@@ -17,6 +17,7 @@ from qexp.tasks.offline import KINDS, TEXTS, parse_task_name
 
 
 BOOTSTRAP_ITERS = 1000  # lm-eval's stderr of non-mean aggregations (perplexity); its default 100,000 takes minutes
+DEPLOYED_TASK_BACKENDS = ("xnnpack", "htp")  # their phases give a task scorer (PhaseResult.task_scorer)
 
 
 # ---------------------------------------------------------------- checks before a run starts
@@ -25,10 +26,22 @@ def check_tasks(cfg) -> None:
     eval.task_paths must parse: one line each, before any model is loaded."""
     names = list(cfg.eval.get("tasks") or [])
     paths = list(cfg.eval.get("task_paths") or [])
+    deployed = cfg.eval.get("deployed_task_limit") or 0
+    if not isinstance(deployed, int) or deployed < 0:
+        raise ConfigError(f"eval.deployed_task_limit={deployed}", "use 0 (none) or a positive number of items per task")
     if not names:
         if paths:
             raise ConfigError("eval.task_paths without eval.tasks", "name the tasks to run: eval.tasks=[...]")
+        if deployed:
+            raise ConfigError("eval.deployed_task_limit without eval.tasks", "name the tasks to run: eval.tasks=[...]")
         return
+    if deployed and cfg.backend.name not in DEPLOYED_TASK_BACKENDS:
+        raise ConfigError(f"eval.deployed_task_limit={deployed}: backend={cfg.backend.name} has no deployed program "
+                          "that scores tasks", f"use backend={' or backend='.join(DEPLOYED_TASK_BACKENDS)}, or "
+                          "eval.deployed_task_limit=0")
+    if deployed and str(getattr(cfg.backend.get("target"), "value", cfg.backend.get("target"))) == "android":
+        raise ConfigError(f"eval.deployed_task_limit={deployed}: the program on a phone scores perplexity windows only",
+                          "score tasks on the emulator (backend.target=x86_emulator), or eval.deployed_task_limit=0")
     limit = cfg.eval.get("task_limit")
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise ConfigError(f"eval.task_limit={limit}", "use a positive number of items per task, or null for all")

@@ -25,7 +25,8 @@ MAX_GEN_TOKS = 256  # lm-eval's default for generation tasks that set none
 
 class QexpLM(TemplateLM):
     def __init__(self, scorer: PackedScorer, tokenizer, add_bos: bool):
-        """`scorer`: the phase's program; `tokenizer`: the model's qexp tokenizer; `add_bos`: whether the model's
+        """`scorer`: the phase's program (a PackedScorer, or a deployed program's qexp.tasks.deployed.DeployedScorer:
+        `ar_len`, `score`, `next_logits`); `tokenizer`: the model's qexp tokenizer; `add_bos`: whether the model's
         inputs start with BOS (qexp's model setting, as lm-eval's `add_bos_token`)."""
         super().__init__()
         self.scorer, self.qexp_tokenizer, self.add_bos = scorer, tokenizer, bool(add_bos)
@@ -98,8 +99,8 @@ class QexpLM(TemplateLM):
         with tqdm(total=sum(s["max"] for s in active), desc="generate", leave=False, disable=disable_tqdm) as bar:
             while active:
                 seqs = [tuple((s["tokens"] + s["new"])[-self.max_length:]) for s in active]
-                for s, logits in zip(active, self.scorer.logits_of(seqs)):
-                    s["new"].append(int(logits[-1].argmax()))
+                for s, logits in zip(active, self.scorer.next_logits(seqs)):
+                    s["new"].append(int(logits.argmax()))
                 bar.update(len(active))
                 active = [s for s in active if not self._finished(s)]
         return [self._cut(s) for s in states]

@@ -143,7 +143,8 @@ class PackedScorer:
             chosen = [blocks[i] for i in call]
             inputs, layout = self._inputs(chosen)
             result = self.module(*inputs)
-            logits = (result[0] if isinstance(result, (tuple, list)) else result).reshape(self.ar_len, -1).float()
+            logits = (result[0] if isinstance(result, (tuple, list)) else result).reshape(self.ar_len, -1)
+            logits = logits if logits.dtype == torch.float64 else logits.float()  # a float64 program keeps its digits
             used = sum(len(b) for b in chosen)
             if not torch.isfinite(logits[:used]).all():
                 raise FloatingPointError(f"{self.desc}: non-finite logits")
@@ -157,6 +158,10 @@ class PackedScorer:
         for block, logits, start, _ in self._run(blocks):
             out[block.owners[0]] = logits[start: start + len(block.prefix)]
         return [out[i] for i in range(len(seqs))]
+
+    def next_logits(self, seqs: List[Tuple[int, ...]]) -> List[torch.Tensor]:
+        """The logits after each sequence (what greedy generation takes the next token from)."""
+        return [logits[-1] for logits in self.logits_of(seqs)]
 
     def score(self, requests: List[ScoreRequest]) -> List[Scored]:
         """Each request's target log-likelihoods (log-softmax in float64, as the perplexity phases compute it).
@@ -190,3 +195,11 @@ class PackedScorer:
         for owner, n in owners:
             scored[owner] = Scored(float(lp[at: at + n].sum()), bool(hits[at: at + n].all()), lp[at: at + n].copy())
             at += n
+
+
+def normalised(rows: torch.Tensor, targets: Sequence[int]) -> Scored:
+    """One request's score from the logits rows that predict its targets, as PackedScorer computes it."""
+    wanted = torch.as_tensor(list(targets), dtype=torch.long)
+    lp = (rows.gather(1, wanted[:, None])[:, 0].double() - torch.logsumexp(rows.double(), dim=-1)).numpy()
+    hits = (rows.argmax(-1) == wanted).numpy()
+    return Scored(float(lp.sum()), bool(hits.all()), lp.copy())

@@ -130,6 +130,12 @@ def _evaluate_on_emulator(inputs: PhaseInputs, program: DeployedProgram, result:
     result.tags.update({"deployed_eval_path": path, "deployed_eval_path_reason": reason,
                         "deployed_eval_cache_hit": str(hit).lower()})
     backend = inputs.cfg.backend
+    if inputs.cfg.eval.get("deployed_task_limit"):
+        from qexp.tasks.deployed import DeployedScorer
+
+        kv_update = backend.kv_update.value
+        result.task_scorer = DeployedScorer(lambda ids, first: runner.rows(ids, first, kv_update), runner.context,
+                                            "HTP tasks")
     if backend.bench.emulator or backend.model_mode == ModelMode.lookahead:  # lookahead: checks it decodes losslessly
         _bench(inputs, runner, result)
     else:

@@ -118,6 +118,13 @@ class HtpRunner:
                 cache.update(k_out, v_out, len(chunk))
         return torch.cat(pieces)
 
+    def rows(self, inputs: Sequence[int], first: int, updater: str = "smart_mask") -> torch.Tensor:
+        """Logits of positions first..len(inputs)-1 (a task request's scored rows), by the path the perplexity
+        phase scores windows with: the AR-N prefill graph where the program has one, else kv_forward."""
+        if PREFILL_GRAPH in self.meta["graphs"]:
+            return self.prefill_logits(inputs)[first:]
+        return self.kv_logits(inputs, updater)[0][first:]
+
     def kv_logits(self, ids: Sequence[int], updater: str = "smart_mask"):
         """Logits of every position through kv_forward, one token per call; returns (logits, cache stats)."""
         cache = self.new_cache(KV_GRAPH, updater)

@@ -28,6 +28,10 @@ def run_phase(inputs: PhaseInputs) -> PhaseResult:
     runner = XnnpackRunner(program, backend.threads)
     with timer.stage("eval_deployed"):
         result.deployed = evaluate(runner.window_logits, windows, "XNNPACK", keep_logits=len(inputs.fp.logits))
+    if inputs.cfg.eval.get("deployed_task_limit"):
+        from qexp.tasks.deployed import DeployedScorer
+
+        result.task_scorer = DeployedScorer(runner.rows, max_prefill, "XNNPACK tasks")
 
     prompt = [int(t) for t in windows.ids[0][: bench.prompt_len]]
     with timer.stage("bench_deployed"):

@@ -38,6 +38,13 @@ class XnnpackRunner:
         out = self.module.forward((ids, torch.tensor([start_pos], dtype=torch.long)))[0]
         return out.reshape(-1, out.shape[-1])
 
+    def rows(self, inputs: Sequence[int], first: int) -> torch.Tensor:
+        """Logits of positions first..len(inputs)-1 of `inputs` from position 0: the first `first + 1` tokens in one
+        prefill call, then one decode step per further position (a task request's scored rows)."""
+        out = [self.forward(list(inputs[: first + 1]), 0)[-1]]
+        out += [self.forward([inputs[position]], position)[-1] for position in range(first + 1, len(inputs))]
+        return torch.stack(out).float()
+
     def window_logits(self, ids: Sequence[int]) -> torch.Tensor:
         """Logits [len(ids), vocab]: one decode step per position."""
         return torch.cat([self.forward([token], position) for position, token in enumerate(ids)])
