@@ -14,6 +14,8 @@ from helpers import REPO, TINY
 
 TASKS = ["qexp_lastword_wikitext", "qexp_choice_wikitext"]
 SEQ = ["eval.seq_len=256"]  # the tiny tokenizer (512 tokens) spends ~3 per word: a task item is up to ~250
+DEPLOYED = ["quant=fp32", "backend=xnnpack", "backend.qmode=fp32", "backend.bench.repeats=1", "backend.bench.warmup=0",
+            "backend.bench.new_tokens=4"]
 
 
 @pytest.fixture(scope="module")
@@ -176,9 +178,8 @@ def test_the_deployed_program_scores_tasks_on_a_budget(compose):
 
     from qexp.pipeline import run_experiment
 
-    overrides = TINY + SEQ + ["quant=fp32", "backend=xnnpack", "backend.qmode=fp32", "backend.bench.repeats=1",
-                              "backend.bench.warmup=0", "backend.bench.new_tokens=4", f"eval.tasks=[{','.join(TASKS)}]",
-                              "eval.task_limit=8", "eval.deployed_task_limit=3"]
+    overrides = TINY + SEQ + DEPLOYED + [f"eval.tasks=[{','.join(TASKS)}]", "eval.task_limit=8",
+                                         "eval.deployed_task_limit=3"]
     result = run_experiment(compose(overrides))
     m = result.metrics
     assert 0 <= m["task.qexp_lastword_wikitext.acc_deployed"] <= 1
@@ -248,6 +249,13 @@ def test_lm_evals_command_line_runs_qexp_programs(cache_dir, tmp_path):
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0
     assert "phase=qdq: this run does not quantize" in bad.stderr.strip().splitlines()[-1]
+    xnnpack = " ".join([*DEPLOYED, "eval.deployed_task_limit=0"])
+    deployed = subprocess.run([sys.executable, "-m", "qexp.tasks", "lm_eval", "run", "--model", "qexp",
+                               "--model_args", f"overrides={overrides} {xnnpack},phase=deployed", "--tasks",
+                               "qexp_lastword_news", "--include_path", str(tasks), "--limit", "3"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert deployed.returncode == 0, deployed.stderr[-3000:]
+    assert "qexp_lastword_news" in deployed.stdout and "XNNPACK tasks" in deployed.stderr
 
 
 def test_the_report_shows_task_deltas_with_their_intervals():

@@ -120,3 +120,10 @@ class Backend:
 
     def run(self, inputs: PhaseInputs) -> PhaseResult:
         raise NotImplementedError
+
+    def task_scorer(self, inputs: PhaseInputs):
+        """The deployed program, built from the caches (or built), as a task scorer (qexp.tasks.deployed)."""
+        from qexp.errors import ConfigError
+
+        raise ConfigError(f"backend={self.name} has no deployed program that scores tasks",
+                          "use backend=xnnpack or backend=htp")

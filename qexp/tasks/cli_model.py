@@ -18,7 +18,8 @@ from qexp.tasks.programs import PHASES, PhaseProgram, program_of
 class QexpCliLM(QexpLM):
     def __init__(self, run: Optional[str] = None, overrides: Optional[str] = None, phase: str = "qdq",
                  tracking_uri: Optional[str] = None, **_lm_eval_settings):
-        """lm-eval's `--model_args`: `run` or `overrides`, `phase` (fp | qdq), `tracking_uri` (the store of `run`;
+        """lm-eval's `--model_args`: `run` or `overrides`, `phase` (fp | qdq | deployed: the backend's program,
+        one request per call), `tracking_uri` (the store of `run`;
         default: MLflow's, then qexp's embedded store). lm-eval's `batch_size` and `device` do not apply: calls are
         packed to the graph's length, on the CPU."""
         program = phase_program(run, overrides, str(phase), tracking_uri)
@@ -40,5 +41,5 @@ def phase_program(run: Optional[str] = None, overrides: Optional[str] = None, ph
     cfg = logged_config(run, tracking_uri) if run else compose((overrides or "").split())
     cfg.eval.limit = 1
     cfg.eval.tasks, cfg.eval.task_paths = [], []  # this process is lm-eval's: its own tasks, not the run's
-    state = prepare(cfg, through="qdq" if phase == "qdq" else "fp")
+    state = prepare(cfg, through="fp" if phase == "fp" else "qdq")
     return program_of(state, phase)

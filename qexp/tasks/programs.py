@@ -9,7 +9,7 @@ from qexp.errors import ConfigError
 from qexp.tasks.packing import PackedScorer
 
 
-PHASES = ("fp", "qdq")  # the CPU phases a task can score (the deployed programs run elsewhere)
+PHASES = ("fp", "qdq", "deployed")  # deployed: the run's backend's program (XNNPACK .pte, HTP on the emulator)
 
 
 @dataclass
@@ -37,9 +37,24 @@ def qdq_program(state) -> PhaseProgram:
                         state.model.add_bos)
 
 
+def deployed_program(state) -> PhaseProgram:
+    """The run's deployed program from the caches (built where missing), scoring one request per call."""
+    from qexp.backends.base import PhaseInputs
+    from qexp.provenance import library_versions
+
+    if not state.backend.deploys:
+        raise ConfigError(f"phase=deployed: backend={state.cfg.backend.name} deploys nothing",
+                          "use backend=xnnpack or backend=htp, or phase=fp / qdq")
+    inputs = PhaseInputs(state.cfg, state.deploy_model, state.windows, state.fp, state.qdq, state.cache, state.timer,
+                         library_versions())
+    return PhaseProgram("deployed", state.backend.task_scorer(inputs), state.model.tokenizer, state.model.add_bos)
+
+
 def program_of(state, phase: str) -> PhaseProgram:
     if phase == "fp":
         return fp_program(state)
+    if phase == "deployed":
+        return deployed_program(state)
     if phase == "qdq":
         if state.qdq is None:
             raise ConfigError("phase=qdq: this run does not quantize (quant=fp32)", "use phase=fp")

@@ -81,6 +81,11 @@ class HtpBackend(Backend):
 
         return run_phase(inputs)
 
+    def task_scorer(self, inputs: PhaseInputs):
+        from qexp.backends.htp.phase import task_scorer
+
+        return task_scorer(inputs)
+
 
 def htp_exact_hint(qdq_arithmetic, metrics: dict):
     """One line for a user whose HTP run departs from the fake-quant QDQ program by more than the interval allows:

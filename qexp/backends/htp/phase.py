@@ -131,16 +131,34 @@ def _evaluate_on_emulator(inputs: PhaseInputs, program: DeployedProgram, result:
                         "deployed_eval_cache_hit": str(hit).lower()})
     backend = inputs.cfg.backend
     if inputs.cfg.eval.get("deployed_task_limit"):
-        from qexp.tasks.deployed import DeployedScorer
-
-        kv_update = backend.kv_update.value
-        result.task_scorer = DeployedScorer(lambda ids, first: runner.rows(ids, first, kv_update), runner.context,
-                                            "HTP tasks")
+        result.task_scorer = _scorer(runner, backend)
     if backend.bench.emulator or backend.model_mode == ModelMode.lookahead:  # lookahead: checks it decodes losslessly
         _bench(inputs, runner, result)
     else:
         log.info("emulator speed bench skipped (the x86 emulator's timings are this host's, not a phone's; "
                  "backend.bench.emulator=true runs it)")
+
+
+def _scorer(runner, backend):
+    from qexp.tasks.deployed import DeployedScorer
+
+    kv_update = backend.kv_update.value
+    return DeployedScorer(lambda ids, first: runner.rows(ids, first, kv_update), runner.context, "HTP tasks")
+
+
+def task_scorer(inputs: PhaseInputs):
+    """The run's HTP program on the emulator (compiled, or read from the cache) as a task scorer."""
+    from qexp.backends.htp.runner import HtpRunner
+
+    cfg = inputs.cfg
+    if cfg.backend.target == Target.android or cfg.backend.pte_path:
+        raise ConfigError("tasks score the HTP program qexp compiles, on the emulator",
+                          "use backend.target=x86_emulator without backend.pte_path")
+    ensure_qnn_sdk(inputs.cache)
+    with inputs.timer.stage("compile"):
+        program = compile_pte(inputs.model, cfg, inputs.qdq.program, inputs.qdq.r3, inputs.cache, inputs.timer,
+                              inputs.versions)
+    return _scorer(HtpRunner(program), cfg.backend)
 
 
 def score_on_emulator(program: DeployedProgram, runner, windows: Windows, backend, tokenizer, cache):

@@ -44,3 +44,8 @@ class XnnpackBackend(Backend):
         from qexp.backends.xnnpack.phase import run_phase
 
         return run_phase(inputs)
+
+    def task_scorer(self, inputs: PhaseInputs):
+        from qexp.backends.xnnpack.phase import task_scorer
+
+        return task_scorer(inputs)

@@ -15,13 +15,28 @@ from qexp.eval.perplexity import evaluate
 log = logging.getLogger("qexp")
 
 
-def run_phase(inputs: PhaseInputs) -> PhaseResult:
-    backend, windows, timer = inputs.cfg.backend, inputs.windows, inputs.timer
+def _export(inputs: PhaseInputs):
+    """The run's .pte (cached) and the longest prefill it takes."""
+    backend, windows = inputs.cfg.backend, inputs.windows
     bench = backend.bench
     context = max(windows.seq_len, bench.prompt_len + bench.new_tokens)
     max_prefill = max(windows.seq_len, bench.prompt_len)
-    with timer.stage("export_xnnpack"):
-        program = export_program(inputs.model, backend, context, max_prefill, inputs.cache, inputs.versions)
+    with inputs.timer.stage("export_xnnpack"):
+        return export_program(inputs.model, backend, context, max_prefill, inputs.cache, inputs.versions), max_prefill
+
+
+def task_scorer(inputs: PhaseInputs, runner=None):
+    from qexp.tasks.deployed import DeployedScorer
+
+    program, max_prefill = _export(inputs)
+    runner = runner or XnnpackRunner(program, inputs.cfg.backend.threads)
+    return DeployedScorer(runner.rows, max_prefill, "XNNPACK tasks")
+
+
+def run_phase(inputs: PhaseInputs) -> PhaseResult:
+    backend, windows, timer = inputs.cfg.backend, inputs.windows, inputs.timer
+    bench = backend.bench
+    program, _ = _export(inputs)
     result = PhaseResult(tags={"target": "cpu", "speed_source": "measured", "pte_cache_key": program.key,
                                "pte_cache_hit": str(program.cache_hit).lower()})
     result.metrics["pte_bytes"] = program.pte_bytes
@@ -29,9 +44,7 @@ def run_phase(inputs: PhaseInputs) -> PhaseResult:
     with timer.stage("eval_deployed"):
         result.deployed = evaluate(runner.window_logits, windows, "XNNPACK", keep_logits=len(inputs.fp.logits))
     if inputs.cfg.eval.get("deployed_task_limit"):
-        from qexp.tasks.deployed import DeployedScorer
-
-        result.task_scorer = DeployedScorer(runner.rows, max_prefill, "XNNPACK tasks")
+        result.task_scorer = task_scorer(inputs, runner)
 
     prompt = [int(t) for t in windows.ids[0][: bench.prompt_len]]
     with timer.stage("bench_deployed"):
