@@ -213,6 +213,10 @@ class EvalConfig:
     # items per task the deployed program scores too (the XNNPACK .pte, or the HTP program on the x86 emulator: one
     # request per call, seconds each on the emulator); 0: the deployed program scores no task
     deployed_task_limit: int = 0
+    # the generation check (qexp/tasks/generation.py): greedy continuations of this many held-out prompts (the first
+    # 32 tokens of the first windows) by FP and QDQ, QDQ's compared with FP's token by token; 0: none
+    generation_check: int = 0
+    generation_tokens: int = 32  # new tokens per prompt
 
 
 @dataclass

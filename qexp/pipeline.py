@@ -137,7 +137,7 @@ def validate(cfg: DictConfig) -> Backend:
                               f"lower {key} or raise export.max_context_len")
     if cfg.eval.limit != "all" and not (isinstance(cfg.eval.limit, int) and cfg.eval.limit >= 1):
         raise ConfigError(f"eval.limit={cfg.eval.limit}", "evaluate at least one window, or eval.limit=all")
-    if cfg.eval.get("tasks") or cfg.eval.get("task_paths") or cfg.eval.get("deployed_task_limit"):
+    if any(cfg.eval.get(k) for k in ("tasks", "task_paths", "deployed_task_limit", "generation_check")):
         from qexp.tasks.harness import check_tasks
 
         check_tasks(cfg)

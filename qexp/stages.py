@@ -254,11 +254,16 @@ def qdq(state) -> None:
 
 
 def tasks(state) -> None:
-    """eval.tasks through lm-eval on the FP and QDQ phases (qexp/tasks/stage.py)."""
+    """eval.tasks through lm-eval on the FP and QDQ phases (qexp/tasks/stage.py); the generation check."""
     if state.cfg.eval.get("tasks"):
         from qexp.tasks.stage import score_tasks
 
         score_tasks(state)
+    if state.cfg.eval.get("generation_check"):
+        from qexp.tasks.generation import check_generation
+        from qexp.tasks.programs import fp_program, qdq_program
+
+        check_generation(state, [fp_program(state)] + ([qdq_program(state)] if state.qdq is not None else []))
 
 
 def deploy(state) -> None:

@@ -196,7 +196,44 @@ def test_the_deployed_program_scores_tasks_on_a_budget(compose):
     assert (choice["acc_xnn"] == choice["acc_fp"]).all()
 
 
+def test_agreement_counts_identical_prompts_and_the_first_divergence():
+    from qexp.tasks.generation import agreement
+
+    fp = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
+    qdq = [[1, 2, 3, 4], [5, 0, 7, 8], [0, 9, 9, 9]]
+    m = agreement(qdq, fp, "qdq")
+    assert m["gen_identical_qdq"] == pytest.approx(1 / 3)
+    assert m["gen_first_divergence_qdq"] == pytest.approx((4 + 1 + 0) / 3)
+    assert m["gen_token_agreement_qdq"] == pytest.approx(10 / 12)
+
+
+def test_the_generation_check_compares_each_phase_with_fp(compose, tiny_state):
+    """Greedy continuations of held-out prompts by FP and QDQ; FP's own continuation is what packed generation of the
+    static llama gives one token at a time."""
+    import mlflow
+    import pandas as pd
+
+    from qexp.pipeline import run_experiment
+    from qexp.tasks.generation import greedy, prompts_of
+    from qexp.tasks.programs import fp_program
+
+    result = run_experiment(compose(TINY + SEQ + ["eval.generation_check=2", "eval.generation_tokens=6"]))
+    m = result.metrics
+    assert 0 <= m["gen_identical_qdq"] <= 1 and 0 <= m["gen_first_divergence_qdq"] <= 6
+    assert 0 <= m["gen_token_agreement_qdq"] <= 1 and m["gen_prompts"] == 2
+    client = mlflow.tracking.MlflowClient(mlflow.get_tracking_uri())
+    table = pd.read_csv(client.download_artifacts(result.run_id, "tasks/generation.csv"))
+    assert list(table.columns) == ["prompt", "prompt_text", "fp", "qdq"] and len(table) == 2
+    program = fp_program(tiny_state)
+    prompts = prompts_of(tiny_state.windows, 2)
+    together = greedy(program.scorer, prompts, 6)
+    alone = [greedy(program.scorer, [p], 6)[0] for p in prompts]
+    assert together == alone
+
+
 @pytest.mark.parametrize("override,message", [
+    (["eval.generation_check=5"], "eval.generation_check=5: the prompts are the first tokens"),
+    (["eval.generation_check=2", "eval.generation_tokens=600"], "eval.generation_tokens=600"),
     (["eval.deployed_task_limit=3"], "eval.deployed_task_limit without eval.tasks"),
     (["eval.tasks=[qexp_choice_news]", "eval.deployed_task_limit=3"], "backend=none has no deployed program"),
     (["eval.tasks=[qexp_choice_news]", "eval.deployed_task_limit=-1"], "eval.deployed_task_limit=-1"),

@@ -24,6 +24,7 @@ DEPLOYED_TASK_BACKENDS = ("xnnpack", "htp")  # their phases give a task scorer (
 def check_tasks(cfg) -> None:
     """Every name in eval.tasks must be a qexp task, a task of eval.task_paths or one of lm-eval's, and every YAML in
     eval.task_paths must parse: one line each, before any model is loaded."""
+    _check_generation(cfg)
     names = list(cfg.eval.get("tasks") or [])
     paths = list(cfg.eval.get("task_paths") or [])
     deployed = cfg.eval.get("deployed_task_limit") or 0
@@ -77,6 +78,23 @@ def check_tasks(cfg) -> None:
                 f"{len(known)} tasks, none in eval.task_paths)" + (f"; did you mean {', '.join(close)}?" if close
                                                                     else ""),
                 "list lm-eval's tasks with `lm_eval ls tasks`; a local task needs its folder in eval.task_paths")
+
+
+def _check_generation(cfg) -> None:
+    from qexp.tasks.generation import PROMPT_TOKENS
+
+    n, n_new = cfg.eval.get("generation_check") or 0, cfg.eval.get("generation_tokens")
+    if not isinstance(n, int) or n < 0:
+        raise ConfigError(f"eval.generation_check={n}", "use 0 (none) or a number of prompts")
+    if not n:
+        return
+    windows = cfg.eval.limit
+    if windows != "all" and n > windows:
+        raise ConfigError(f"eval.generation_check={n}: the prompts are the first tokens of the evaluation windows, "
+                          f"and eval.limit={windows}", f"raise eval.limit to {n} or ask for fewer prompts")
+    if not isinstance(n_new, int) or n_new < 1 or PROMPT_TOKENS + n_new > cfg.eval.seq_len:
+        raise ConfigError(f"eval.generation_tokens={n_new}", f"use 1..{cfg.eval.seq_len - PROMPT_TOKENS} (a prompt of "
+                          f"{PROMPT_TOKENS} tokens and its continuation fit in eval.seq_len={cfg.eval.seq_len})")
 
 
 def _check_task_folder(path: str) -> None:
