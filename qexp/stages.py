@@ -158,7 +158,8 @@ def transform(state) -> None:
     if not transforms:
         state.deploy_model, state.static = state.model, state.fp_static
         return
-    context = TransformContext(state.cfg, state.calibration, state.cache, state.timer, reference=state.model)
+    context = TransformContext(state.cfg, state.calibration, state.cache, state.timer, reference=state.model,
+                               reference_static=state.fp_static)
     model = apply_transforms(state.model, transforms, context)
     for outputs in context.outputs.values():
         _log_transform_outputs(state, outputs)

@@ -47,6 +47,7 @@ class TransformContext:
     timer: "StageTimer"
     cache_hits: Dict[str, bool] = dataclasses.field(default_factory=dict)  # transform name -> result from cache
     reference: Optional["LoadedModel"] = None  # the untransformed float model (QAT's teacher)
+    reference_static: Any = None  # its static llama as the FP phase built it (a teacher of that length is not copied)
     key: str = ""  # the fingerprint of the transform being applied (what a resumable one names its checkpoint by)
     # transform name -> what the run logs about it (QAT's loss curves, training text, metrics); kept with a cached
     # result, so a cache hit logs the same

@@ -137,7 +137,9 @@ class Qat(GridSearchTransform):
         text = training_text(corpus.joined("calibration"), f"{corpus.source}:calibration", model.tokenizer,
                              model.add_bos, seq_len, c.tokens, c.validation_sequences, c.seed)
         student = private_static(model, seq_len, cfg.model)
-        teacher = StaticLlama.for_model_config(context.reference or model, seq_len, cfg.model)
+        teacher = context.reference_static  # the FP phase's static llama: one float copy less in memory
+        if teacher is None or teacher.ar_len != seq_len or context.reference is None:
+            teacher = StaticLlama.for_model_config(context.reference or model, seq_len, cfg.model)
         for p in teacher.module.parameters():
             p.requires_grad_(False)
         grids, scales, keys = {}, {}, {}
