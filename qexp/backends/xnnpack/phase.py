@@ -25,18 +25,22 @@ def _export(inputs: PhaseInputs):
         return export_program(inputs.model, backend, context, max_prefill, inputs.cache, inputs.versions), max_prefill
 
 
-def task_scorer(inputs: PhaseInputs, runner=None):
+def task_scorer(inputs: PhaseInputs):
+    """The run's .pte (from the cache, or exported) as a task scorer."""
+    program, max_prefill = _export(inputs)
+    return _scorer(XnnpackRunner(program, inputs.cfg.backend.threads), max_prefill)
+
+
+def _scorer(runner: XnnpackRunner, max_prefill: int):
     from qexp.tasks.deployed import DeployedScorer
 
-    program, max_prefill = _export(inputs)
-    runner = runner or XnnpackRunner(program, inputs.cfg.backend.threads)
     return DeployedScorer(runner.rows, max_prefill, "XNNPACK tasks")
 
 
 def run_phase(inputs: PhaseInputs) -> PhaseResult:
     backend, windows, timer = inputs.cfg.backend, inputs.windows, inputs.timer
     bench = backend.bench
-    program, _ = _export(inputs)
+    program, max_prefill = _export(inputs)
     result = PhaseResult(tags={"target": "cpu", "speed_source": "measured", "pte_cache_key": program.key,
                                "pte_cache_hit": str(program.cache_hit).lower()})
     result.metrics["pte_bytes"] = program.pte_bytes
@@ -44,7 +48,7 @@ def run_phase(inputs: PhaseInputs) -> PhaseResult:
     with timer.stage("eval_deployed"):
         result.deployed = evaluate(runner.window_logits, windows, "XNNPACK", keep_logits=len(inputs.fp.logits))
     if inputs.cfg.eval.get("deployed_task_limit"):
-        result.task_scorer = task_scorer(inputs, runner)
+        result.task_scorer = _scorer(runner, max_prefill)
 
     prompt = [int(t) for t in windows.ids[0][: bench.prompt_len]]
     with timer.stage("bench_deployed"):
