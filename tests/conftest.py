@@ -15,14 +15,26 @@ from typing import List
 import matplotlib
 import pytest
 
-import qexp  # noqa: F401 - first: it pins PyTorch's CPU kernels (AVX2), which must happen before any PyTorch operation
+# pytest-xdist's workers share the cores: with PyTorch's default (a thread per core in every worker) the threads
+# outnumber the cores and OpenMP's spin-waits burn the CPU the other workers need (docs/testing-and-benchmarks.md).
+# Subprocesses inherit the variable.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
+import qexp  # noqa: F401,E402 - first: it pins PyTorch's CPU kernels (AVX2), which must happen before any PyTorch operation
 
 # matplotlib's C++ font extension segfaults when first imported into a process that has already run the QNN HTP
 # libraries (test_htp, test_smollm2 run before the report tests); imported first, it is fine.
 matplotlib.use("Agg")
 import matplotlib.pyplot  # noqa: E402, F401
 
-from helpers import CONF, TINY, free_port, wait_until_healthy  # noqa: E402
+from helpers import CONF, TINY, free_port, stop_server, wait_until_healthy  # noqa: E402
+
+if _WORKERS:
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch before this file
 
 
 @pytest.fixture(scope="session")
@@ -83,12 +95,12 @@ def mlflow_server(tmp_path):
          "--workers", "1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # no GenAI job consumers (25 processes)
+        start_new_session=True,  # its own process group: teardown stops the workers with it
     )
     uri = f"http://127.0.0.1:{port}"
     wait_until_healthy(uri, proc, "mlflow server")
     yield uri
-    proc.terminate()
-    proc.wait(timeout=20)
+    stop_server(proc)
 
 
 # The longest files first, so that with two pytest workers (make test: -n 2 --dist loadfile) neither waits at the end

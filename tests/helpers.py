@@ -1,5 +1,7 @@
 """Constants shared by the tests (fixtures are in conftest.py, which tests never import)."""
 
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -37,6 +39,25 @@ def wait_until_healthy(url: str, proc: subprocess.Popen, what: str, timeout: flo
             time.sleep(0.5)
     proc.kill()
     raise AssertionError(f"{what} did not start")
+
+
+def stop_server(proc: subprocess.Popen, grace: float = 20) -> None:
+    """SIGTERM a server started with start_new_session=True and all its workers; SIGKILL what outlives `grace`.
+
+    A loaded host can take longer than any fixed grace to shut gunicorn/uvicorn down cleanly; a test's teardown is
+    not the place to fail for that, but it must not leave processes behind either."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # workers that outlived their parent
+    except ProcessLookupError:
+        pass
 
 
 def program_weights(module) -> dict:

@@ -91,18 +91,24 @@ def test_compile_is_cached(deployed, tiny_model, cache_dir):
     assert again.cache_hit and again.pte_path == program.pte_path
 
 
-def test_parallel_lowering_and_speed_ups_leave_the_program_unchanged(deployed, tiny_model, tmp_path, monkeypatch):
-    """The default lowering (each graph in its own process, its own QNN context; torch's node provenance shared
-    instead of deep-copied) computes what upstream's one-process lowering with torch's own provenance code computes.
-    QNN's context binary is not byte-reproducible (two compiles of the same graph differ in ~0.6% of the tiny .pte's
-    bytes), so: the same metadata and bit-identical emulator outputs of both graphs."""
+def test_upstreams_one_process_lowering_gives_the_same_program(deployed, tiny_model, tmp_path, monkeypatch):
+    """qexp's lowering against upstream's path as it is, in one compile: qexp lowers each graph in its own process
+    and QNN context, shares torch's node provenance instead of deep-copying it, re-exports the converted graph
+    non-strict (upstream.private.qnn_reexport_non_strict; ExecuTorch's QNN lowering re-exports with strict=True,
+    dynamo) and recompiles GraphModules lazily (upstream.private.lazy_graph_module_recompile: a graph's Python source
+    generated when run, not after every pass; dynamo needs torch's eager GraphModules, so both are off together).
+    Upstream's one-process lowering with all of them off computes the same program: the same metadata (delegation
+    included) and bit-identical emulator outputs of both graphs. QNN's context binary is not byte-reproducible (two
+    compiles of the same graph differ in ~0.6% of the tiny .pte's bytes), and one shared context is a few bytes
+    smaller than two."""
     import contextlib
 
     import qexp.backends.htp.lower as lower
 
     cfg, static, qdq, program, runner, windows = deployed
     assert cfg.backend.compile_workers == 2 and program.meta["lowering"]["contexts"] == "per_graph"
-    monkeypatch.setattr(lower, "provenance_without_deep_copies", contextlib.nullcontext)
+    for name in ("provenance_without_deep_copies", "qnn_reexport_non_strict", "lazy_graph_module_recompile"):
+        monkeypatch.setattr(lower, name, contextlib.nullcontext)
     cfg = cfg.copy()
     cfg.backend.contexts = "shared"  # upstream's one-process lowering: one QNN context for both graphs
     plain = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
@@ -110,40 +116,32 @@ def test_parallel_lowering_and_speed_ups_leave_the_program_unchanged(deployed, t
     assert abs(plain.pte_bytes - program.pte_bytes) < 0.02 * program.pte_bytes, (plain.pte_bytes, program.pte_bytes)
     assert {k: v for k, v in plain.meta.items() if k != "lowering"} == \
         {k: v for k, v in program.meta.items() if k != "lowering"}
-    other = HtpRunner(plain)
+    _assert_same_outputs(HtpRunner(plain), runner, windows)
+
+
+def _assert_same_outputs(other, runner, windows) -> None:
     ids = windows.ids[0][:20]
     assert torch.equal(other.prefill_logits(ids), runner.prefill_logits(ids))
     assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
 
 
-def test_graphs_lowered_in_turn_give_the_parallel_program_from_its_cache_entry(deployed, tiny_model, cache_dir,
-                                                                              tmp_path):
+def test_graphs_lowered_in_turn_with_float_originals_kept_give_the_parallel_program(deployed, tiny_model, cache_dir,
+                                                                                    tmp_path, monkeypatch):
     """backend.compile_workers=1 lowers the graphs one after the other in this process into the same per-graph
-    contexts as the parallel workers: the same program (bit-identical emulator outputs), and since how many
-    processes lower it is a speed setting, it is the parallel compile's cache entry (a hit, no recompile)."""
+    contexts as the parallel workers; since how many processes lower it is a speed setting, it is the parallel
+    compile's cache entry (a hit, no recompile). And convert_pt2e leaves each weight's float original on the
+    converted module beside the integer constant the graph reads; graph.drop_unused_attributes deletes them before
+    lowering (the parent's and the workers' memory). One cold compile checks both: lowered in turn with the originals
+    kept, the program is the fixture's (the same key and size, bit-identical emulator outputs; two lowerings of one
+    graph never give identical bytes: QNN's context binary differs in ~2k scattered bytes each time)."""
+    import qexp.backends.htp.graph as graph_module
+    import qexp.backends.htp.lower as lower
+
     cfg, static, qdq, program, runner, windows = deployed
     cfg = cfg.copy()
     cfg.backend.compile_workers = 1
     hit = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(cache_dir), StageTimer(), library_versions())
     assert hit.cache_hit and hit.key == program.key
-    cold = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
-    assert not cold.cache_hit and cold.key == program.key
-    assert cold.meta["lowering"] == {**program.meta["lowering"], "workers": 1}
-    ids = windows.ids[0][:20]
-    other = HtpRunner(cold)
-    assert torch.equal(other.prefill_logits(ids), runner.prefill_logits(ids))
-    assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
-
-
-def test_float_originals_left_out_before_lowering_give_the_same_program(deployed, tiny_model, tmp_path, monkeypatch):
-    """convert_pt2e leaves each weight's float original on the converted module beside the integer constant the graph
-    reads; graph.drop_unused_attributes deletes them before lowering (the parent's and the workers' memory). The
-    program is the one lowered with them kept: the same size and bit-identical emulator outputs. (Two lowerings of
-    one graph never give identical bytes: QNN's context binary differs in ~2k scattered bytes each time.)"""
-    import qexp.backends.htp.graph as graph_module
-    import qexp.backends.htp.lower as lower
-
-    cfg, static, qdq, program, runner, windows = deployed
     stats = torch.load(qdq.stats_path, weights_only=True)
     graph = lower._deploy_graph(tiny_model, cfg, KV_GRAPH, 1, static.r3, stats, StageTimer())["module"]
     read = {n.target for n in graph.graph.nodes if n.op == "get_attr"}
@@ -154,40 +152,8 @@ def test_float_originals_left_out_before_lowering_give_the_same_program(deployed
     assert any(name not in read for name, _ in kept.named_parameters())  # else this test would test nothing
     cold = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
     assert not cold.cache_hit and cold.key == program.key and cold.pte_bytes == program.pte_bytes
-    ids = windows.ids[0][:20]
-    other = HtpRunner(cold)
-    assert torch.equal(other.prefill_logits(ids), runner.prefill_logits(ids))
-    assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
-
-
-def _assert_lowers_the_same_program(deployed, tiny_model, tmp_path, monkeypatch, *eager_names):
-    """Compile the deployed fixture's config again with the named `lower` context managers as no-ops (upstream's /
-    torch's path as it is) and check the program is the fixture's: the same cache key, size and delegated node
-    counts, and bit-identical emulator outputs (prefill and kv)."""
-    import contextlib
-
-    import qexp.backends.htp.lower as lower
-
-    cfg, static, qdq, program, runner, windows = deployed
-    for name in eager_names:
-        monkeypatch.setattr(lower, name, contextlib.nullcontext)
-    other = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
-    assert not other.cache_hit and other.key == program.key and other.pte_bytes == program.pte_bytes
-    assert other.meta["delegation"] == program.meta["delegation"]
-    ids = windows.ids[0][:20]
-    other_runner = HtpRunner(other)
-    assert torch.equal(other_runner.prefill_logits(ids), runner.prefill_logits(ids))
-    assert torch.equal(other_runner.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
-
-
-def test_non_strict_reexport_and_lazy_recompile_give_the_same_program(deployed, tiny_model, tmp_path, monkeypatch):
-    """ExecuTorch's QNN lowering re-exports the converted graph with strict=True (dynamo); qexp has it re-exported
-    non-strict (upstream.private.qnn_reexport_non_strict), most of the lowering's time on SmolLM2, with torch's lazy
-    GraphModule recompile (upstream.private.lazy_graph_module_recompile: a graph's Python source generated when
-    run, not after every pass). The program is the one upstream's strict path with the eager recompile lowers (dynamo
-    needs torch's eager GraphModules, so both are off together: a change in either shows here)."""
-    _assert_lowers_the_same_program(deployed, tiny_model, tmp_path, monkeypatch,
-                                    "qnn_reexport_non_strict", "lazy_graph_module_recompile")
+    assert cold.meta["lowering"] == {**program.meta["lowering"], "workers": 1}
+    _assert_same_outputs(HtpRunner(cold), runner, windows)
 
 
 def test_lazy_recompile_is_scoped():
@@ -257,10 +223,7 @@ def test_sharded_program_gives_the_same_outputs(deployed, tiny_model, tmp_path):
     sharded = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
     assert not sharded.cache_hit and sharded.meta["lowering"]["num_sharding"] == 2
     assert {g["qnn_contexts"] for g in sharded.meta["delegation"].values()} == {2}
-    other = HtpRunner(sharded)
-    ids = windows.ids[0][:20]
-    assert torch.equal(other.prefill_logits(ids), runner.prefill_logits(ids))
-    assert torch.equal(other.kv_logits(ids[:6], "smart_mask")[0], runner.kv_logits(ids[:6], "smart_mask")[0])
+    _assert_same_outputs(HtpRunner(sharded), runner, windows)
 
 
 def test_parallel_lowering_steps_back_without_memory(monkeypatch, caplog):
@@ -337,7 +300,8 @@ def test_every_scheme_reaches_htp_and_matches_qdq(compose, scheme):
     attribute statistics (without them convert failed: `Expecting original_dtype to be populated`)."""
     from qexp.pipeline import run_experiment
 
-    m = run_experiment(compose(HTP_RUN + [f"quant={scheme}", "backend.model_mode=kv"])).metrics
+    m = run_experiment(compose(HTP_RUN + [f"quant={scheme}", "backend.model_mode=kv", "backend.bench.emulator=false"]))\
+        .metrics
     assert abs(m["ppl_deployed_vs_qdq"]) < 0.03 and m["top1_agreement_deployed_vs_qdq"] > 0.7, m
 
 

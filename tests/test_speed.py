@@ -127,6 +127,9 @@ def test_simulated_cycles_read_from_the_finalize_events():
 WIDE = ["model.tiny.dim=256", "model.tiny.hidden_dim=512", "model.tiny.vocab_size=2048"]  # weights dominate
 
 
+HYBRID_16 = ["quant=16a8w", "backend.model_mode=hybrid", "backend.prefill_ar_len=16"]
+
+
 @pytest.fixture(scope="module")
 def compiled(compose, cache_dir, corpus):
     """compiled(overrides) -> (cfg, program, shapes): the tiny model (WIDE) calibrated and compiled for HTP."""
@@ -161,7 +164,8 @@ def _estimate(built, prompt=32):
 
 
 def test_compiled_programs_carry_qnn_ddr_summaries_and_the_estimate_follows_bits_and_context(compiled):
-    w8 = compiled(["quant=16a8w", "backend.model_mode=kv"])
+    # the hybrid AR-16 program's kv graph is the kv-mode program's (the next test compiles it; one compile for both)
+    w8 = compiled(HYBRID_16)
     w4 = compiled(["quant=16a4w", "backend.model_mode=kv"])
     long = compiled(["quant=16a8w", "backend.model_mode=kv", "export.max_context_len=128"])
     reads = {}
@@ -181,7 +185,7 @@ def test_compiled_programs_carry_qnn_ddr_summaries_and_the_estimate_follows_bits
 
 def test_a_larger_prefill_graph_needs_fewer_chunks(compiled):
     small = compiled(["quant=16a8w", "backend.model_mode=hybrid", "backend.prefill_ar_len=8"])
-    large = compiled(["quant=16a8w", "backend.model_mode=hybrid", "backend.prefill_ar_len=16"])
+    large = compiled(HYBRID_16)
     est_small, est_large = _estimate(small)[0], _estimate(large)[0]
     assert (est_small.prefill_ar_len, est_large.prefill_ar_len) == (8, 16)
     assert est_large.ttft_ms < est_small.ttft_ms  # 2 calls of AR-16 against 4 of AR-8 for 32 prompt tokens
