@@ -206,11 +206,28 @@ def test_a_sweep_of_real_slurm_jobs(slurm, team_store, compose, tmp_path):
     assert rerun.returncode == 1 and "3 finished, 1 failed, 2 skipped" in stdout, stdout[-2000:] + stderr[-2000:]
 
 
+def _wait_until_idle(slurm: dict, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        queue = subprocess.run(["squeue", "-h"], env=slurm, capture_output=True, text=True).stdout.strip()
+        if not queue:
+            return
+        time.sleep(2)
+    raise AssertionError(f"SLURM still busy after {timeout:.0f} s: {queue}")
+
+
+def _slurm_accounting(slurm: dict) -> str:
+    """What SLURM did with the jobs (for a failure message)."""
+    return subprocess.run(["sacct", "-X", "--format=JobID,Partition,State,Start,End,Reason"], env=slurm,
+                          capture_output=True, text=True).stdout[-2000:]
+
+
 def test_a_preempted_job_is_requeued_and_finishes(slurm, team_store, compose, tmp_path):
     """A job of the pre-emptible partition (debug), waiting on a cache entry this test holds, is pre-empted by a job
     of the urgent partition that needs the whole node: SLURM sends it submitit's USR2 at once, submitit requeues it,
     and its run ends KILLED as requeued; once the node is free the requeued job (same SLURM job) runs again in a new
     run and finishes, and the sweep ends as one finished job."""
+    _wait_until_idle(slurm)  # a job left by the test before holds CPUs outside the pre-emptible partition
     cache = tmp_path / "cache"
     release, held = threading.Event(), threading.Event()
     holder = threading.Thread(target=_hold_tiny_model_entries, args=(compose, cache, (104,), release, held))
@@ -227,7 +244,7 @@ def test_a_preempted_job_is_requeued_and_finishes(slurm, team_store, compose, tm
         urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-c", str(os.cpu_count()), "-t", "2",
                                  "-o", "/dev/null", "--wrap", "sleep 3"], env=slurm, capture_output=True, text=True,
                                 check=True).stdout.strip()
-        deadline = time.time() + 120
+        deadline = time.time() + 240
         while time.time() < deadline and not [r for r in _runs(team_store, "preempt") if r.info.status == "KILLED"]:
             time.sleep(1)
         release.set()
@@ -245,7 +262,8 @@ def test_a_preempted_job_is_requeued_and_finishes(slurm, team_store, compose, tm
     assert sweep.returncode == 0, stdout[-2000:] + stderr[-2000:]
     assert "1 finished, 0 failed, 0 skipped" in stdout, stdout[-2000:] + stderr[-2000:]
     runs = {r.info.status: r for r in _runs(team_store, "preempt") if r.data.tags.get("qexp.role") != "sweep"}
-    assert set(runs) == {"KILLED", "FINISHED"}, {r.info.run_id: r.info.status for r in runs.values()}
+    assert set(runs) == {"KILLED", "FINISHED"}, ({r.info.run_id: r.info.status for r in runs.values()},
+                                                 _slurm_accounting(slurm))
     assert "pre-empted by SLURM and requeued" in runs["KILLED"].data.tags["qexp.killed_reason"]
     assert runs["KILLED"].data.tags["config_hash"] == runs["FINISHED"].data.tags["config_hash"]
     assert runs["KILLED"].data.tags["qexp.slurm_job_id"] == runs["FINISHED"].data.tags["qexp.slurm_job_id"] == job
