@@ -17,7 +17,8 @@ NODE=$(hostname -s)
 write_configs() {
   mkdir -p "$CONF_DIR" "$D/slurm-state" "$D/slurm-spool"
   local cpus mem
-  cpus=$(nproc)
+  # GNU nproc honours OMP_NUM_THREADS (the test workers set it to 1): the node's CPUs are the machine's
+  cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
   mem=$(( $(free -m | awk '/^Mem:/ {print $2}') * 9 / 10 ))
   cat > "$SLURM_CONF" <<CONF
 # written by scripts/services/slurm.sh
