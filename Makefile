@@ -13,16 +13,16 @@ run: setup
 # Three pytest workers, a test file each at a time (--dist loadfile: a file's module fixtures, e.g. a compiled program,
 # are built once): most tests run single-threaded Python (export, QNN's graph preparation) or wait on subprocesses
 # and services, so two workers left the two cores ~40% idle (docs/testing-and-benchmarks.md has the two runs compared).
-# PYTEST_WORKERS=2 (or 1) if memory is short. --no-loadscope-reorder: xdist would otherwise hand out the files with the
+# PYTEST_WORKERS=2 (or 1) if memory is short.: xdist would otherwise hand out the files with the
 # most tests first, and SmolLM2's end-to-end test (the longest, in a 3-test file) would start last and end the run.
 PYTEST_WORKERS ?= 3
 
 test: setup
 	@bash scripts/setup_test_system.sh
-	$(VENV_PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
+	$(VENV_PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25 tests
 
 test-fast: setup
-	$(VENV_PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" tests
+	$(VENV_PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" tests
 
 bench: setup
 	$(VENV_PY) benchmarks/bench_default.py

@@ -103,9 +103,9 @@ def mlflow_server(tmp_path):
     stop_server(proc)
 
 
-# The longest files first (measured with --durations=0; make test passes --no-loadscope-reorder so that xdist keeps
-# this order), so that no worker starts a long file when the others are nearly done: test_smollm2 holds the longest
-# single test (one real SmolLM2 HTP compile), test_cluster mostly waits on SLURM.
+# The longest files first (measured with --durations=0), for runs without xdist's reordering (-p no:xdist, or
+# --no-loadscope-reorder): test_smollm2 holds the longest single test (one real SmolLM2 HTP compile), test_cluster
+# mostly waits on SLURM.
 LONGEST_FIRST = ("test_smollm2.py", "test_htp.py", "test_families.py", "test_tasks.py", "test_cluster.py",
                  "test_speed.py", "test_sweep.py", "test_xnnpack.py", "test_cli.py", "test_reliability.py",
                  "test_quantize.py", "test_reproducibility.py", "test_qat.py", "test_transforms.py", "test_faults.py")
