@@ -13,8 +13,7 @@ run: setup
 # Three pytest workers, a test file each at a time (--dist loadfile: a file's module fixtures, e.g. a compiled program,
 # are built once): most tests run single-threaded Python (export, QNN's graph preparation) or wait on subprocesses
 # and services, so two workers left the two cores ~40% idle (docs/testing-and-benchmarks.md has the two runs compared).
-# PYTEST_WORKERS=2 (or 1) if memory is short.: xdist would otherwise hand out the files with the
-# most tests first, and SmolLM2's end-to-end test (the longest, in a 3-test file) would start last and end the run.
+# PYTEST_WORKERS=2 (or 1) if memory is short.
 PYTEST_WORKERS ?= 3
 
 test: setup

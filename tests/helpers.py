@@ -1,5 +1,6 @@
 """Constants shared by the tests (fixtures are in conftest.py, which tests never import)."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -48,16 +49,15 @@ def stop_server(proc: subprocess.Popen, grace: float = 20) -> None:
     not the place to fail for that, but it must not leave processes behind either."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace)
     except ProcessLookupError:
         return
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # workers that outlived their parent
-    except ProcessLookupError:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
         pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # what outlived the grace, and workers that outlived their parent
+    proc.wait(timeout=30)
 
 
 def program_weights(module) -> dict:

@@ -227,7 +227,7 @@ def test_a_preempted_job_is_requeued_and_finishes(slurm, team_store, compose, tm
     of the urgent partition that needs the whole node: SLURM sends it submitit's USR2 at once, submitit requeues it,
     and its run ends KILLED as requeued; once the node is free the requeued job (same SLURM job) runs again in a new
     run and finishes, and the sweep ends as one finished job."""
-    _wait_until_idle(slurm)  # a job left by the test before holds CPUs outside the pre-emptible partition
+    _wait_until_idle(slurm)  # an empty queue: a job left by the test before would hold CPUs the urgent job needs
     cache = tmp_path / "cache"
     release, held = threading.Event(), threading.Event()
     holder = threading.Thread(target=_hold_tiny_model_entries, args=(compose, cache, (104,), release, held))
