@@ -145,3 +145,37 @@ def test_the_fake_quantizer_has_autograds_straight_through_gradients():
     assert torch.equal(q1, q2) and torch.equal(w1.grad, w2.grad)
     assert torch.allclose(s1.grad, s2.grad, atol=1e-6)
     assert (w2.grad == 0).any() and (w2.grad != 0).any()  # the clipped ones get none, the others do
+
+
+@pytest.mark.parametrize("learn_scales, block", [(False, 0), (True, 0), (False, 16)])
+def test_weights_quantized_once_per_step_get_the_per_sequence_gradients(learn_scales, block):
+    """A step's micro-batches on weights fake-quantized once (quantized_once) give the latent weights and learned
+    scales the gradients that fake-quantizing in every forward gives, to float summation order; a frozen weight
+    gets none."""
+    from qexp.qat.fake_quant import attach, quantized_once
+    from qexp.transforms.grid import WeightGrid
+
+    torch.manual_seed(0)
+    grid = WeightGrid(bits=4, block_size=block or None)
+
+    def model():
+        torch.manual_seed(1)
+        net = torch.nn.Sequential(torch.nn.Conv2d(32, 64, 1, bias=False), torch.nn.Conv2d(64, 8, 1, bias=False))
+        net[1].weight.requires_grad_(False)
+        scales = {str(i): grid.scales(c.weight.detach().flatten(1)) * 0.8 for i, c in enumerate(net)}
+        attach(net, {"0": grid, "1": grid}, scales, learn_scales)
+        return net
+
+    batches = [torch.randn(1, 32, 1, 16) for _ in range(3)]
+    every, once = model(), model()
+    for x in batches:
+        every(x).square().sum().backward()
+    with quantized_once(once, ["0", "1"], grad=True):
+        for x in batches:
+            once(x).square().sum().backward()
+    for (name, a), (_, b) in zip(every.named_parameters(), once.named_parameters()):
+        if a.requires_grad:
+            assert b.grad is not None and torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6), name
+        else:
+            assert b.grad is None, name
+    assert once[0].parametrizations["weight"][0].held is None  # released: later forwards see the latent weights

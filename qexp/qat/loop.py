@@ -14,10 +14,12 @@ import dataclasses
 import logging
 import math
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Dict, List, Optional
 
 import torch
 from executorch.examples.qualcomm.oss_scripts.llama.dataset.constants import LABEL_IGNORE_INDEX
@@ -28,7 +30,7 @@ from tqdm import tqdm
 
 log = logging.getLogger("qexp")
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: the best weights in their own file, named by step
 
 
 @dataclass
@@ -61,12 +63,17 @@ def next_token_labels(ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([ids[1:], torch.tensor([LABEL_IGNORE_INDEX], dtype=ids.dtype)])
 
 
+StepContext = Callable[[bool], ContextManager]
+
+
 def train(student: nn.Module, teacher: nn.Module, forward: Callable[[nn.Module, torch.Tensor], torch.Tensor],
           train_ids: torch.Tensor, validation_ids: torch.Tensor, settings: LoopSettings,
-          checkpoint: Optional[Path] = None) -> History:
+          checkpoint: Optional[Path] = None, step_context: Optional[StepContext] = None) -> History:
     """Train `student`'s parameters that require grad in place. `forward(module, ids [T])` returns logits [T, V] on
-    `settings.device`. On return the student holds the best validated weights."""
-    run = _Training(student, teacher, forward, validation_ids, settings, checkpoint)
+    `settings.device`. `step_context(grad)` wraps each optimizer step's micro-batches (grad=True) and each validation
+    (grad=False), within which the student's weights do not change (qexp/qat/fake_quant.py `quantized_once`). On
+    return the student holds the best validated weights."""
+    run = _Training(student, teacher, forward, validation_ids, settings, checkpoint, step_context)
     start = run.resume()
     started = time.time()
     bar = tqdm(range(start, settings.steps), desc="qat", unit="step", leave=False, initial=start,
@@ -83,18 +90,26 @@ def train(student: nn.Module, teacher: nn.Module, forward: Callable[[nn.Module, 
              len(history.train) - start, history.seconds / 60, best["step"], best["loss"],
              history.validation[0]["loss"])
     history.best_step = best["step"]
-    _load_trainable(run.trainable, best["state"])
+    _load_trainable(run.trainable, torch.load(run.best_file(best["step"]), weights_only=True, map_location="cpu"))
+    run.remove_best_files()
     student.to("cpu")
     teacher.to("cpu")
     return history
 
 
 class _Training:
-    """One training run's state: the optimizer and schedule, the history, the best validated weights."""
+    """One training run's state: the optimizer and schedule, the history, the best validated weights (on disk, beside
+    the checkpoint: a model-sized copy less in memory)."""
 
-    def __init__(self, student, teacher, forward, validation_ids, settings: LoopSettings, checkpoint):
+    def __init__(self, student, teacher, forward, validation_ids, settings: LoopSettings, checkpoint, step_context):
         self.student, self.teacher, self.forward, self.settings = student, teacher, forward, settings
         self.checkpoint = checkpoint
+        self.step_context = step_context or (lambda grad: nullcontext())
+        if checkpoint is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="qexp-qat-")
+            self.best_stem = Path(self._scratch.name) / "qat"
+        else:
+            self.best_stem = checkpoint.parent / "best" / checkpoint.stem
         self.trainable = {n: p for n, p in student.named_parameters() if p.requires_grad}
         if not self.trainable:
             raise ValueError("QAT has nothing to train: every parameter is frozen")
@@ -111,8 +126,6 @@ class _Training:
                                               total_steps=settings.steps)
         self.kd_loss, self.ce_loss = KLDivergenceLoss(settings.temperature), CrossEntropyLoss()
         self.validation_ids = validation_ids
-        with torch.no_grad():  # the teacher's validation logits, once (validation reruns only the student)
-            self.validation_targets = [forward(teacher, ids) for ids in validation_ids]
         self.history = History()
         self.best = {"loss": math.inf, "state": None}
         self.bad_validations = 0
@@ -127,9 +140,12 @@ class _Training:
 
     @torch.no_grad()
     def validate(self, step: int) -> dict:
+        """The validation losses; the teacher's logits are recomputed each time rather than held (vocabulary-sized
+        rows for every validation token: as much memory as the model's weights)."""
         kd = ce = 0.0
-        for ids, target in zip(self.validation_ids, self.validation_targets):
-            k, c = self.losses(ids, target)
+        with self.step_context(False):
+            pairs = [self.losses(ids) for ids in self.validation_ids]
+        for k, c in pairs:
             kd, ce = kd + k.item(), ce + c.item()
         n = max(len(self.validation_ids), 1)
         row = {"step": step, "kd": kd / n, "ce": ce / n}
@@ -153,7 +169,7 @@ class _Training:
             log.info("QAT: the checkpoint %s is from other settings; training from the start", checkpoint)
         row = self.validate(0)  # the starting point (the PTQ program's weights) competes with every trained state
         self.history.validation.append(row)
-        self.best = {"loss": row["loss"], "state": _copy_trainable(self.trainable), "step": 0}
+        self.keep_best(row)
         log.info("QAT start: validation kd %.4f ce %.3f", row["kd"], row["ce"])
         return 0
 
@@ -161,11 +177,12 @@ class _Training:
         settings = self.settings
         self.optimizer.zero_grad(set_to_none=True)
         kd_sum = ce_sum = 0.0
-        for micro in range(settings.grad_accum):
-            kd, ce = self.losses(train_ids[step * settings.grad_accum + micro])
-            loss = settings.alpha * kd + (1 - settings.alpha) * ce
-            (loss / settings.grad_accum).backward()
-            kd_sum, ce_sum = kd_sum + kd.item(), ce_sum + ce.item()
+        with self.step_context(True):
+            for micro in range(settings.grad_accum):
+                kd, ce = self.losses(train_ids[step * settings.grad_accum + micro])
+                loss = settings.alpha * kd + (1 - settings.alpha) * ce
+                (loss / settings.grad_accum).backward()
+                kd_sum, ce_sum = kd_sum + kd.item(), ce_sum + ce.item()
         if settings.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(list(self.trainable.values()), settings.max_grad_norm)
         self.optimizer.step()
@@ -181,7 +198,7 @@ class _Training:
         val = self.validate(step)
         self.history.validation.append(val)
         if val["loss"] < self.best["loss"]:
-            self.best = {"loss": val["loss"], "state": _copy_trainable(self.trainable), "step": step}
+            self.keep_best(val)
             self.bad_validations = 0
         else:
             self.bad_validations += 1
@@ -195,6 +212,7 @@ class _Training:
                 "trainable": {n: p.detach().cpu() for n, p in self.trainable.items()},
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "history": dataclasses.asdict(self.history), "best": self.best, "bad": self.bad_validations})
+            self.remove_best_files(keep=self.best["step"])  # the checkpoint now names this one
         if stop:
             self.history.stopped_early = True
             log.info("QAT: validation loss has not improved for %d validations: stopped at step %d",
@@ -202,8 +220,19 @@ class _Training:
         return stop
 
 
-def _copy_trainable(trainable: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    return {n: p.detach().to("cpu", copy=True) for n, p in trainable.items()}
+    def best_file(self, step: int) -> Path:
+        """The best validated weights of `step`; named by step so that a checkpoint and the file it names always
+        agree, whatever instant a run is killed at."""
+        return self.best_stem.with_name(f"{self.best_stem.name}.best-{step}.pt")
+
+    def keep_best(self, row: dict) -> None:
+        _save_checkpoint(self.best_file(row["step"]), {n: p.detach().cpu() for n, p in self.trainable.items()})
+        self.best = {"loss": row["loss"], "step": row["step"]}
+
+    def remove_best_files(self, keep: Optional[int] = None) -> None:
+        for path in self.best_stem.parent.glob(f"{self.best_stem.name}.best-*.pt"):
+            if keep is None or path != self.best_file(keep):
+                path.unlink(missing_ok=True)
 
 
 @torch.no_grad()

@@ -53,6 +53,7 @@ class QatConfig(TransformConfig):
 @register_transform
 class Qat(GridSearchTransform):
     name = "qat"
+    version = 2  # 2: the weights fake-quantized once per optimizer step (gradients summed before the rounding's)
     config_class = QatConfig
     sets_weight_ranges = True  # the scales it trained against, exactly
     uses_weight_ranges = True  # starts from an earlier weight_clip's or GPTQ's scales
@@ -126,7 +127,7 @@ class Qat(GridSearchTransform):
         from qexp.data.text import calibration_corpus, load_corpus
         from qexp.models.static_llama import StaticLlama
         from qexp.qat.data import training_text
-        from qexp.qat.fake_quant import attach, detach
+        from qexp.qat.fake_quant import attach, detach, quantized_once
         from qexp.qat.loop import LoopSettings, train
         from qexp.transforms.capture import private_static
 
@@ -179,7 +180,8 @@ class Qat(GridSearchTransform):
             return logits.reshape(seq_len, -1)[: len(ids)].float()
 
         checkpoint = context.cache.root / "qat-checkpoints" / f"{context.key}.pt" if context.key else None
-        history = train(student.module, teacher.module, forward, train_ids, text.validation, settings, checkpoint)
+        history = train(student.module, teacher.module, forward, train_ids, text.validation, settings, checkpoint,
+                        step_context=lambda grad: quantized_once(student.module, list(grids), grad))
         final_scales = detach(student.module, list(grids))
         params = dict(student.module.named_parameters())
         linears = set(weight_layers(shapes))
