@@ -16,9 +16,9 @@ import math
 import os
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from contextlib import nullcontext
 from typing import Callable, ContextManager, Dict, List, Optional
 
 import torch
@@ -127,7 +127,7 @@ class _Training:
         self.kd_loss, self.ce_loss = KLDivergenceLoss(settings.temperature), CrossEntropyLoss()
         self.validation_ids = validation_ids
         self.history = History()
-        self.best = {"loss": math.inf, "state": None}
+        self.best = {"loss": math.inf, "step": None}
         self.bad_validations = 0
 
     def losses(self, ids: torch.Tensor, target: Optional[torch.Tensor] = None):
