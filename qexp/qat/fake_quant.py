@@ -89,9 +89,7 @@ class GridFakeQuant(nn.Module):
     @torch.no_grad()
     def hold(self, w: torch.Tensor, grad: bool) -> None:
         flat = w.reshape(w.shape[0], -1)
-        s = self._expanded(flat.shape[1])
-        self.held = (torch.clamp(torch.round(flat / s), -self.grid.qmax, self.grid.qmax) * s).reshape(w.shape)
-        self.held.requires_grad_(grad)
+        self.held = self.grid.quantize(flat, self.scales.clamp(min=SCALE_EPS)).reshape(w.shape).requires_grad_(grad)
 
     @torch.no_grad()
     def release(self, w: nn.Parameter) -> None:
