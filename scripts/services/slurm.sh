@@ -51,7 +51,9 @@ SlurmdLogFile=$D/log/slurmd.log
 SlurmctldPort=6817
 SlurmdPort=6818
 MinJobAge=300
-KillWait=5
+# SLURM's default grace between SIGTERM and SIGKILL: a job's handler asks squeue, sacct and the tracking store before
+# it ends its run, which on a loaded node takes more than a few seconds
+KillWait=30
 InactiveLimit=0
 Waittime=0
 SchedulerParameters=sched_interval=2
