@@ -3,7 +3,8 @@
 
     python scripts/check_qat_cuda.py --out DIR [--devices cpu,cuda] [hydra overrides...]
 
-e.g. the tiny model: `model=tiny eval.seq_len=64 eval.limit=3 calibration.limit=3 algorithm=[qat]
+The algorithms before QAT (e.g. `algorithm=[rotation,weight_clip,gptq,qat]`) run on the CPU on both passes, as in a
+run. E.g. the tiny model: `model=tiny eval.seq_len=64 eval.limit=3 calibration.limit=3 algorithm=[qat]
 algorithm.qat.tokens=1024 algorithm.qat.grad_accum=2 algorithm.qat.lr=1e-3`. Each device trains through qexp's own
 load stage and QAT transform (with `algorithm.qat.device` set), in a fresh cache so neither reads the other's
 result. DIR gets `<device>.json` per device (loss curves, metrics, each trained layer's
@@ -40,8 +41,8 @@ def train_on(device: str, overrides: list, cache_dir: str) -> dict:
 
     cfg = compose([*overrides, f"cache_dir={cache_dir}", f"algorithm.qat.device={device}"])
     transforms = model_transforms(build_transforms(cfg.algorithm))
-    if [t.name for t in transforms] != ["qat"]:
-        raise SystemExit("check_qat_cuda: the overrides must set algorithm=[qat]")
+    if not transforms or transforms[-1].name != "qat":
+        raise SystemExit("check_qat_cuda: the overrides must end the algorithm list with qat, e.g. algorithm=[qat]")
     pin_cpu_numerics()  # as the pipeline does before its first stage
     cache = Cache(cache_dir)
     model = load_model(cfg.model, cache)
