@@ -1,7 +1,8 @@
 """How a SLURM job's signals end its run, in-process and without a cluster (tests/test_cluster.py does it with real
 jobs): SIGTERM is a pre-emption only when SLURM says the job was chosen for one (PreemptTime), and then it requeues
 through submitit's handler; the first signal decides how the job ends, later ones (srun forwarding USR2 again, the
-requeue's own SIGTERM) change nothing. `squeue` is replaced by a stand-in (no cluster here), named as such."""
+requeue's own SIGTERM) change nothing; and how the launcher ends a lost job's run. `squeue`, `sacct` and Hydra's
+launcher object are replaced by stand-ins (no cluster here), named as such."""
 
 from __future__ import annotations
 
@@ -64,3 +65,42 @@ def test_a_requeue_that_fails_is_said_and_not_taken_for_a_time_limit(job, monkey
     slurm.install_job_signals()
     ended = _signalled(signal.SIGUSR2)
     assert ended.what.startswith("pre-empted by SLURM; submitit could not requeue it") and not ended.time_limit
+
+
+def test_a_lost_jobs_run_ended_by_another_process_gets_slurms_account(tmp_path, monkeypatch):
+    """Another qexp process on the node found the job's process gone and ended its run KILLED first, able to say only
+    that it was gone: the launcher adds what SLURM says of the job (the run of a job still RUNNING it ends itself)."""
+    import json
+    from types import SimpleNamespace
+
+    import mlflow
+    from omegaconf import OmegaConf
+
+    from qexp.tracking import slurm_sweep
+    from qexp.tracking.liveness import KILLED_TAG
+    from qexp.tracking.sweep import PARENT_TAG, SWEEP_FILE, SWEEP_FILE_ENV
+
+    monkeypatch.delenv(SWEEP_FILE_ENV, raising=False)
+    monkeypatch.setattr(slurm_sweep, "sacct_state", lambda job_id: "CANCELLED by 0")  # stand-in for sacct
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlruns.db'}")
+    experiment = client.create_experiment("slurm", artifact_location=(tmp_path / "artifacts").as_uri())
+    parent = client.create_run(experiment).info.run_id
+    runs = {}
+    for num in (0, 1):
+        runs[num] = client.create_run(experiment, tags={PARENT_TAG: parent, "qexp.sweep_job": str(num)}).info.run_id
+    gone = "its process 24670 on vm is gone (killed, out of memory, or a native crash); found by qexp pid 24923"
+    client.set_tag(runs[0], KILLED_TAG, gone)
+    client.set_terminated(runs[0], "KILLED")
+    sweep_dir = tmp_path / "sweep"
+    sweep_dir.mkdir()
+    (sweep_dir / SWEEP_FILE).write_text(json.dumps({"name": "s", "parent_run_id": parent, "experiment_id": experiment,
+                                                    "tracking_uri": client.tracking_uri}))
+    launcher = SimpleNamespace(config=OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}}}))  # Hydra's
+    for num in (0, 1):
+        slurm_sweep.end_lost_job(launcher, [f"+slurmtest=j{num}"], num, SimpleNamespace(job_id=f"41_{num}"),
+                                 RuntimeError("job 41 has not produced any output"))
+    ended = {num: client.get_run(run_id) for num, run_id in runs.items()}
+    assert ended[0].data.tags[KILLED_TAG].startswith(gone + "; SLURM job 41_0: CANCELLED by 0")
+    assert ended[1].info.status == "KILLED" and "SLURM job 41_1: CANCELLED by 0" in ended[1].data.tags[KILLED_TAG]
+    slurm_sweep.end_lost_job(launcher, ["+slurmtest=j0"], 0, SimpleNamespace(job_id="41_0"), RuntimeError("again"))
+    assert client.get_run(runs[0]).data.tags[KILLED_TAG].count("SLURM job") == 1  # said once
