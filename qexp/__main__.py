@@ -45,6 +45,8 @@ def main(cfg: DictConfig) -> float | None:
     except JobTerminated as ended:
         from qexp.tracking.slurm import slurm_reason
 
+        ended.caught()
+
         run_id = getattr(ended, "run_id", None)
         if ended.reason == ended.what:  # ended before a run could say why: ask SLURM now
             slurm_reason(ended)

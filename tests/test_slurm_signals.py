@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -26,9 +27,11 @@ def job(monkeypatch):
         calls.append(signum)
         raise SystemExit(-1)
 
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2, signal.SIGALRM)}
     signal.signal(signal.SIGUSR2, submitit_requeue)
     yield calls
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    slurm._pending.clear()
     for s, handler in saved.items():
         signal.signal(s, handler)
 
@@ -36,6 +39,7 @@ def job(monkeypatch):
 def _signalled(signum) -> slurm.JobTerminated:
     with pytest.raises(slurm.JobTerminated) as ended:
         os.kill(os.getpid(), signum)
+    ended.value.caught()  # as the tracker does when it ends the run
     return ended.value
 
 
@@ -65,6 +69,26 @@ def test_a_requeue_that_fails_is_said_and_not_taken_for_a_time_limit(job, monkey
     slurm.install_job_signals()
     ended = _signalled(signal.SIGUSR2)
     assert ended.what.startswith("pre-empted by SLURM; submitit could not requeue it") and not ended.time_limit
+
+
+def test_an_end_signalled_inside_a_finalizer_is_raised_again(job, monkeypatch):
+    """Python only prints an exception raised while a `__del__` runs (GitPython's, in a real job): the job must not go
+    on working until SLURM kills it, so the end is raised again, every second, until the run has been ended."""
+    monkeypatch.setattr(slurm, "preempt_time", lambda job_id: None)  # stand-in for squeue: not pre-empted
+    slurm.install_job_signals()
+
+    class SignalledInItsFinalizer:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler's exception is "ignored" here
+
+    started = time.monotonic()
+    with pytest.raises(slurm.JobTerminated) as ended:
+        SignalledInItsFinalizer()  # gone at once
+        time.sleep(10)  # the job's work goes on: the end comes again within a second
+    assert time.monotonic() - started < 5
+    ended.value.caught()
+    assert ended.value.what.startswith("ended by SLURM (SIGTERM")
+    time.sleep(1.5)  # caught: not raised again
 
 
 def test_a_lost_jobs_run_ended_by_another_process_gets_slurms_account(tmp_path, monkeypatch):

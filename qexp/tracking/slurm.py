@@ -6,7 +6,9 @@ Hydra's submitit launcher submits the jobs as one array. Two things it leaves op
   job cannot be requeued. Here both end the run KILLED at once, with SLURM's own account of the job (`sacct`) as the
   reason; a job submitit requeues (pre-emption) ends its run KILLED as requeued and exits as submitit wants. A
   pre-empted job may get SIGTERM instead of USR2 (GraceTime without preempt_send_user_signal): SLURM's PreemptTime
-  tells the two apart, and the pre-empted job is requeued all the same.
+  tells the two apart, and the pre-empted job is requeued all the same. The handler's exception is raised again
+  every second until the run has been ended with it: a signal that lands while a finalizer runs would otherwise be
+  lost, and the job would work on until SLURM kills it.
 - In the launching process: a job that died without a word (SIGKILL, a node failure, cancelled while still pending)
   makes submitit's `results()` raise, which would end the whole sweep with a traceback and leave the job's run
   RUNNING. qexp's launcher (hydra_plugins/qexp_slurm_launcher: Hydra finds launchers only there) catches it per
@@ -36,6 +38,29 @@ class JobTerminated(BaseException):
         self.time_limit = time_limit  # the time-limit warning: the job is still RUNNING for SLURM
         self.exit_code = exit_code  # set: exit with it after the run is ended (submitit requeued the job)
         self.reason = what  # completed from sacct by slurm_reason() once out of the signal handler
+
+    def caught(self) -> None:
+        """The job is being ended with this exception: stop raising it again (see `_raise`)."""
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        _pending.clear()
+
+
+_pending: list = []  # the JobTerminated a signal raised, until whoever ends the run says it has caught it
+
+
+def _raise(exc: JobTerminated) -> None:
+    """Raise `exc` from the signal handler, and again every second until `exc.caught()`: Python only prints an
+    exception raised while a finalizer (`__del__`, e.g. GitPython's) runs, and the job would go on working until
+    SLURM kills it, its run left RUNNING."""
+    _pending[:] = [exc]
+    signal.signal(signal.SIGALRM, _raise_again)
+    signal.setitimer(signal.ITIMER_REAL, 1.0, 1.0)
+    raise exc
+
+
+def _raise_again(signum, frame) -> None:
+    if _pending:
+        raise _pending[0]
 
 
 def sacct_state(job_id: str) -> Optional[str]:
@@ -115,12 +140,16 @@ def install_job_signals() -> None:
         try:
             submitit_handler(signum, frame)  # requeues (exits) or raises when it cannot
         except SystemExit as requeued:
-            raise JobTerminated("pre-empted by SLURM and requeued by submitit", exit_code=requeued.code) from None
+            ended = JobTerminated("pre-empted by SLURM and requeued by submitit", exit_code=requeued.code)
         except Exception as cannot:  # noqa: BLE001 - submitit's UncompletedJobError, or scontrol failing
             if type(cannot).__name__ != "UncompletedJobError":
-                raise JobTerminated(f"pre-empted by SLURM; submitit could not requeue it ({cannot})") from None
-            raise JobTerminated(f"reached its SLURM time limit (USR2 signal_delay_s before it; {cannot})",
-                                time_limit=True) from None
+                ended = JobTerminated(f"pre-empted by SLURM; submitit could not requeue it ({cannot})")
+            else:
+                ended = JobTerminated(f"reached its SLURM time limit (USR2 signal_delay_s before it; {cannot})",
+                                      time_limit=True)
+        else:
+            return
+        _raise(ended)
 
     def on_term(signum, frame):
         if ending:
@@ -132,9 +161,9 @@ def install_job_signals() -> None:
             if started_by_submitit:
                 on_warning(signal.SIGUSR2, frame)
             ending.append(signum)
-            raise JobTerminated("pre-empted by SLURM (SIGTERM at the start of its grace time; SLURM requeues it)")
+            _raise(JobTerminated("pre-empted by SLURM (SIGTERM at the start of its grace time; SLURM requeues it)"))
         ending.append(signum)
-        raise JobTerminated("ended by SLURM (SIGTERM: scancel, its time limit or its node shutting down)")
+        _raise(JobTerminated("ended by SLURM (SIGTERM: scancel, its time limit or its node shutting down)"))
 
     signal.signal(signal.SIGTERM, on_term)
     if started_by_submitit:  # not started by submitit: USR2 only if the user asked for it

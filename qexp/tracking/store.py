@@ -128,6 +128,14 @@ def describe_experiment(experiment: "mlflow.entities.Experiment", client=None) -
             client.set_experiment_tag(experiment.experiment_id, key, value)
 
 
+def _caught(exc: BaseException) -> None:
+    """SLURM's end of the job is being handled: its signal handler stops raising it again."""
+    from qexp.tracking.slurm import JobTerminated
+
+    if isinstance(exc, JobTerminated):
+        exc.caught()
+
+
 class Tracker:
     def __init__(self, cfg: TrackingConfig):
         self.cfg = cfg
@@ -220,6 +228,7 @@ class Tracker:
             Tracker.text(run_log, "run.log")
             self.finish()
             return
+        _caught(exc)
         try:
             Tracker.text(run_log, "run.log")
         finally:
@@ -233,6 +242,7 @@ class Tracker:
         from qexp.tracking.slurm import JobTerminated, slurm_reason
 
         if isinstance(exc, JobTerminated):  # SLURM ended the job: KILLED, with what SLURM says of it
+            exc.caught()
             reason = redact_text(slurm_reason(exc))
             try:
                 mlflow.set_tags({KILLED_TAG: reason[:5000], "error": f"KILLED: {reason}"[:5000],
