@@ -29,16 +29,18 @@ def end_lost_job(launcher, overrides: Sequence[str], num: int, job, error: BaseE
         for run in runs:
             known = run.data.tags.get(KILLED_TAG, "")
             if run.info.status == "RUNNING":
-                run_id = run.info.run_id
-                client.set_tag(run_id, KILLED_TAG, reason[:5000])
-                client.set_tag(run_id, "error", f"KILLED: {reason}"[:5000])
-                client.set_terminated(run_id, "KILLED")
+                said = reason
             elif run.info.status == "KILLED" and "SLURM job" not in known:
                 # another qexp process on the node found the job's process gone first and could only say that it
                 # was: SLURM's account (scancel, the time limit, the OOM killer) is the reason the user needs
-                run_id = run.info.run_id
-                client.set_tag(run_id, KILLED_TAG, f"{known}; {reason}"[:5000])
-                client.set_tag(run_id, "error", f"KILLED: {known}; {reason}"[:5000])
+                said = f"{known}; {reason}"
+            else:
+                continue
+            run_id = run.info.run_id
+            client.set_tag(run_id, KILLED_TAG, said[:5000])
+            client.set_tag(run_id, "error", f"KILLED: {said}"[:5000])
+            if run.info.status == "RUNNING":
+                client.set_terminated(run_id, "KILLED")
     job_dir = sweep_dir / str(num)  # hydra.sweep.subdir's default, which the slurm launcher config keeps
     record = SweepJob(str(info["name"]) if info else "", None, num, job_dir, list(overrides))
     if not (job_dir / "qexp_job.json").exists():

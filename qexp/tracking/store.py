@@ -242,7 +242,6 @@ class Tracker:
         from qexp.tracking.slurm import JobTerminated, slurm_reason
 
         if isinstance(exc, JobTerminated):  # SLURM ended the job: KILLED, with what SLURM says of it
-            exc.caught()
             reason = redact_text(slurm_reason(exc))
             try:
                 mlflow.set_tags({KILLED_TAG: reason[:5000], "error": f"KILLED: {reason}"[:5000],
