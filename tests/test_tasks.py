@@ -308,3 +308,33 @@ def test_the_report_shows_task_deltas_with_their_intervals():
     shown = formatted(table)
     assert list(shown["Δ t.acc_qdq_vs_fp"]) == ["-13.9 pt [-17.2, -10.6]", "+1.0 pt [-2.0, +3.0] ~"]
     assert list(shown["Δ t.perplexity_qdq_vs_fp"]) == ["+15.0% [+10.0, +20.0]", "+2.0% [-1.0, +5.0] ~"]
+
+
+@pytest.mark.parametrize("phase", ["fp", "qdq"])
+def test_the_head_run_on_the_scored_rows_gives_the_full_heads_scores(tiny_state, phase):
+    """Each call runs the output head on the positions it scores only: the scores are those of the full head."""
+    from qexp.quant.fold import with_weights_dequantized
+    from qexp.quant.w4_lowering import htp_exact_lowering
+    from qexp.tasks.packing import PackedScorer, ScoreRequest
+    from qexp.tasks.programs import program_of
+
+    program = program_of(tiny_state, phase)
+    assert program.scorer.head_rows is not None, "the static llama's head was not found"
+    static = program.scorer.static
+    module = static.module if phase == "fp" else with_weights_dequantized(tiny_state.qdq.program.module,
+                                                                          htp_exact_lowering(tiny_state.cfg))
+    full = PackedScorer(module, static, "full head")
+    rng = np.random.default_rng(1)
+    vocab = static.vocab_size
+    requests = []
+    for _ in range(12):
+        inputs = rng.integers(0, vocab, rng.integers(2, 90)).tolist()
+        targets = rng.integers(0, vocab, rng.integers(1, 4)).tolist()
+        requests.append(ScoreRequest(tuple(inputs[:-1] + targets[:-1]), tuple(targets)))
+    ours, reference = program.scorer.score(requests), full.score(requests)
+    diffs = [abs(a.logprob - b.logprob) for a, b in zip(ours, reference)]
+    assert max(diffs) < 1e-5, diffs
+    assert [a.greedy for a in ours] == [b.greedy for b in reference]
+    seqs = [r.inputs for r in requests[:3]]
+    for a, b in zip(program.scorer.next_logits(seqs), full.next_logits(seqs)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

@@ -90,10 +90,12 @@ def blocks_of(requests: Sequence[ScoreRequest], ar_len: int) -> List[Block]:
 
 
 class PackedScorer:
-    """One program (the float static llama or a QDQ program) and its static llama's input layout."""
+    """One program (the float static llama or a QDQ program) and its static llama's input layout. `head_rows`
+    (qexp/tasks/head_rows.py) runs the output head on the positions a call scores only; without it the program's
+    full logits are computed and the rows taken from them."""
 
-    def __init__(self, module, static, desc: str = "tasks"):
-        self.module, self.static, self.desc = module, static, desc
+    def __init__(self, module, static, desc: str = "tasks", head_rows=None):
+        self.module, self.static, self.desc, self.head_rows = module, static, desc, head_rows
         self.ar_len = static.ar_len
         example = static.example_inputs()
         self.n_masks = static.n_masks
@@ -136,57 +138,69 @@ class PackedScorer:
             self._place(masks, positions, offset, 0, (offset, offset), offset, ar - offset)
         return (tokens, *masks, positions, *self._caches), layout
 
+    def _logits(self, inputs, rows: List[int]) -> torch.Tensor:
+        """The call's logits [len(rows), vocab] at positions `rows`."""
+        if self.head_rows is None:
+            result = self.module(*inputs)
+            logits = (result[0] if isinstance(result, (tuple, list)) else result).reshape(self.ar_len, -1)[rows]
+        else:
+            with self.head_rows.selecting(rows):
+                result = self.module(*inputs)
+            logits = (result[0] if isinstance(result, (tuple, list)) else result).reshape(len(rows), -1)
+        return logits if logits.dtype == torch.float64 else logits.float()  # a float64 program keeps its digits
+
     @torch.no_grad()
-    def _run(self, blocks: List[Block]) -> Iterator[Tuple[Block, torch.Tensor, int, List[int]]]:
-        """(block, the call's logits, where the block's prefix starts, where its branches start) for every block."""
+    def _calls(self, blocks: List[Block], rows_of) -> Iterator[Tuple[List[Block], List[List[int]], torch.Tensor]]:
+        """Per call: its blocks, the positions `rows_of(block, prefix start, branch starts)` asks of each block, and
+        the logits of those positions, block after block."""
         for call in tqdm(pack([len(b) for b in blocks], self.ar_len), desc=self.desc, unit="call", leave=False):
             chosen = [blocks[i] for i in call]
             inputs, layout = self._inputs(chosen)
-            result = self.module(*inputs)
-            logits = (result[0] if isinstance(result, (tuple, list)) else result).reshape(self.ar_len, -1)
-            logits = logits if logits.dtype == torch.float64 else logits.float()  # a float64 program keeps its digits
-            used = sum(len(b) for b in chosen)
-            if not torch.isfinite(logits[:used]).all():
+            wanted = [rows_of(block, start, starts) for block, (start, starts) in zip(chosen, layout)]
+            logits = self._logits(inputs, [row for rows in wanted for row in rows])
+            if not torch.isfinite(logits).all():
                 raise FloatingPointError(f"{self.desc}: non-finite logits")
-            for block, (start, starts) in zip(chosen, layout):
-                yield block, logits, start, starts
+            yield chosen, wanted, logits
 
     def logits_of(self, seqs: List[Tuple[int, ...]]) -> List[torch.Tensor]:
         """Float logits [len(seq), vocab] of each sequence."""
-        out: Dict[int, torch.Tensor] = {}
-        blocks = [Block(tuple(s), [()], [i]) for i, s in enumerate(seqs)]
-        for block, logits, start, _ in self._run(blocks):
-            out[block.owners[0]] = logits[start: start + len(block.prefix)]
-        return [out[i] for i in range(len(seqs))]
+        return self._rows_of_each(seqs, last_only=False)
 
     def next_logits(self, seqs: List[Tuple[int, ...]]) -> List[torch.Tensor]:
         """The logits after each sequence (what greedy generation takes the next token from)."""
-        return [logits[-1] for logits in self.logits_of(seqs)]
+        return [logits[-1] for logits in self._rows_of_each(seqs, last_only=True)]
+
+    def _rows_of_each(self, seqs: List[Tuple[int, ...]], last_only: bool) -> List[torch.Tensor]:
+        def rows_of(block, start, _):
+            return [start + len(block.prefix) - 1] if last_only else list(range(start, start + len(block.prefix)))
+
+        out: Dict[int, torch.Tensor] = {}
+        blocks = [Block(tuple(s), [()], [i]) for i, s in enumerate(seqs)]
+        for chosen, wanted, logits in self._calls(blocks, rows_of):
+            at = 0
+            for block, rows in zip(chosen, wanted):
+                out[block.owners[0]] = logits[at: at + len(rows)]
+                at += len(rows)
+        return [out[i] for i in range(len(seqs))]
 
     def score(self, requests: List[ScoreRequest]) -> List[Scored]:
         """Each request's target log-likelihoods (log-softmax in float64, as the perplexity phases compute it).
-        The rows of one call are gathered and normalised together: one large temporary per call, not two per
-        request (many mid-sized temporaries fragmented the heap by GiBs over a task suite)."""
-        scored: Dict[int, Scored] = {}
-        rows: List[int] = []  # positions of the call's logits that predict a target, request after request
-        owners: List[Tuple[int, int]] = []  # (request, its number of targets)
-        pending = None
-        for block, logits, start, starts in self._run(blocks_of(requests, self.ar_len)):
-            if pending is not None and logits is not pending:
-                self._normalise(pending, rows, owners, requests, scored)
-                rows, owners = [], []
-            pending = logits
+        The rows of one call are normalised together: one large temporary per call, not two per request (many
+        mid-sized temporaries fragmented the heap by GiBs over a task suite)."""
+        def rows_of(block, start, starts):  # per branch: the prefix's last position, then the branch's own
             last_prefix = start + len(block.prefix) - 1
-            for owner, branch, at in zip(block.owners, block.branches, starts):
-                rows += [last_prefix, *range(at, at + len(branch))]
-                owners.append((owner, len(branch) + 1))
-        if pending is not None:
-            self._normalise(pending, rows, owners, requests, scored)
+            return [row for branch, at in zip(block.branches, starts)
+                    for row in (last_prefix, *range(at, at + len(branch)))]
+
+        scored: Dict[int, Scored] = {}
+        for chosen, _, logits in self._calls(blocks_of(requests, self.ar_len), rows_of):
+            owners = [(owner, len(branch) + 1)
+                      for block in chosen for owner, branch in zip(block.owners, block.branches)]
+            self._normalise(logits, owners, requests, scored)
         return [scored[i] for i in range(len(requests))]
 
     @staticmethod
-    def _normalise(logits, rows, owners, requests, scored) -> None:
-        predictors = logits[rows]
+    def _normalise(predictors, owners, requests, scored) -> None:
         targets = torch.as_tensor([t for owner, _ in owners for t in requests[owner].targets], dtype=torch.long)
         target_logits = predictors.gather(1, targets[:, None])[:, 0].double()
         lp = (target_logits - torch.logsumexp(predictors.double(), dim=-1)).numpy()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qexp.errors import ConfigError
+from qexp.tasks.head_rows import head_rows
 from qexp.tasks.packing import PackedScorer
 
 
@@ -23,8 +24,8 @@ class PhaseProgram:
 def fp_program(state) -> PhaseProgram:
     """The untransformed float model: the reference every other phase is compared with."""
     static = state.fp_static
-    return PhaseProgram("fp", PackedScorer(static.module, static, "FP tasks"), state.model.tokenizer,
-                        state.model.add_bos)
+    scorer = PackedScorer(static.module, static, "FP tasks", head_rows(static.module, static.ar_len))
+    return PhaseProgram("fp", scorer, state.model.tokenizer, state.model.add_bos)
 
 
 def qdq_program(state) -> PhaseProgram:
@@ -33,8 +34,9 @@ def qdq_program(state) -> PhaseProgram:
     from qexp.quant.w4_lowering import htp_exact_lowering
 
     folded = with_weights_dequantized(state.qdq.program.module, htp_exact_lowering(state.cfg))
-    return PhaseProgram("qdq", PackedScorer(folded, state.qdq.static, "QDQ tasks"), state.model.tokenizer,
-                        state.model.add_bos)
+    static = state.qdq.static  # the folded copy is the scorer's own: its head is rewritten to take rows
+    scorer = PackedScorer(folded, static, "QDQ tasks", head_rows(folded, static.ar_len))
+    return PhaseProgram("qdq", scorer, state.model.tokenizer, state.model.add_bos)
 
 
 def deployed_program(state) -> PhaseProgram:
