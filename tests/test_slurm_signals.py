@@ -128,3 +128,11 @@ def test_a_lost_jobs_run_ended_by_another_process_gets_slurms_account(tmp_path, 
     assert ended[1].info.status == "KILLED" and "SLURM job 41_1: CANCELLED by 0" in ended[1].data.tags[KILLED_TAG]
     slurm_sweep.end_lost_job(launcher, ["+slurmtest=j0"], 0, SimpleNamespace(job_id="41_0"), RuntimeError("again"))
     assert client.get_run(runs[0]).data.tags[KILLED_TAG].count("SLURM job") == 1  # said once
+    # the job ended its run itself on SIGTERM while accounting had no record of it yet: completed with the account
+    own = "ended by SLURM (SIGTERM: scancel, its time limit or its node shutting down); SLURM job 41_2"
+    tags = {PARENT_TAG: parent, "qexp.sweep_job": "2", KILLED_TAG: own}
+    runs[2] = client.create_run(experiment, tags=tags).info.run_id
+    client.set_terminated(runs[2], "KILLED")
+    for _ in range(2):
+        slurm_sweep.end_lost_job(launcher, ["+slurmtest=j2"], 2, SimpleNamespace(job_id="41_2"), RuntimeError("gone"))
+    assert client.get_run(runs[2]).data.tags[KILLED_TAG] == own + ": CANCELLED by 0"

@@ -13,7 +13,8 @@ Hydra's submitit launcher submits the jobs as one array. Two things it leaves op
   makes submitit's `results()` raise, which would end the whole sweep with a traceback and leave the job's run
   RUNNING. qexp's launcher (hydra_plugins/qexp_slurm_launcher: Hydra finds launchers only there) catches it per
   job: `slurm_sweep.end_lost_job` asks `sacct` what happened, ends the job's run KILLED with that reason (if the job
-  got as far as starting one), records the job as failed for the sweep's summary, and lets the others' results stand.
+  got as far as starting one; a run already ended without SLURM's account gets it added), records the job as failed
+  for the sweep's summary, and lets the others' results stand.
 """
 
 from __future__ import annotations

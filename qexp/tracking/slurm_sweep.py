@@ -17,7 +17,8 @@ def end_lost_job(launcher, overrides: Sequence[str], num: int, job, error: BaseE
     from qexp.tracking.liveness import KILLED_TAG
     from qexp.tracking.sweep import PARENT_TAG, SweepJob, read_sweep_file
 
-    state = sacct_state(job.job_id) or "unknown to sacct"
+    account = sacct_state(job.job_id)
+    state = account or "unknown to sacct"
     reason = f"SLURM job {job.job_id}: {state} (the job never reported back: {str(error).splitlines()[0][:300]})"
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir)).resolve()
     info = read_sweep_file(sweep_dir)
@@ -34,6 +35,10 @@ def end_lost_job(launcher, overrides: Sequence[str], num: int, job, error: BaseE
                 # another qexp process on the node found the job's process gone first and could only say that it
                 # was: SLURM's account (scancel, the time limit, the OOM killer) is the reason the user needs
                 said = f"{known}; {reason}"
+            elif run.info.status == "KILLED" and account and known.rstrip().endswith(f"SLURM job {job.job_id}"):
+                # the job ended its run itself on SIGTERM, before accounting had its record (slurmdbd lags under
+                # load): the launcher, asking later, completes the job's own line with SLURM's account
+                said = f"{known.rstrip()}: {account}"
             else:
                 continue
             run_id = run.info.run_id
