@@ -15,7 +15,7 @@ the head's first op, reading the rows from a buffer). Anything else gets None an
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional, Protocol, Sequence
+from typing import ContextManager, Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ _ROWS_BUFFER = "_qexp_head_rows"
 
 
 class HeadRows(Protocol):
-    def selecting(self, rows: Sequence[int]) -> "contextmanager":
+    def selecting(self, rows: Sequence[int]) -> ContextManager[None]:
         """While active, the program's logits are those of `rows` (positions of the call), in that order."""
 
 
