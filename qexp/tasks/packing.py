@@ -12,6 +12,7 @@ on the float and the QDQ program).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Sequence, Tuple
 
@@ -140,13 +141,11 @@ class PackedScorer:
 
     def _logits(self, inputs, rows: List[int]) -> torch.Tensor:
         """The call's logits [len(rows), vocab] at positions `rows`."""
-        if self.head_rows is None:
+        with self.head_rows.selecting(rows) if self.head_rows is not None else nullcontext():
             result = self.module(*inputs)
-            logits = (result[0] if isinstance(result, (tuple, list)) else result).reshape(self.ar_len, -1)[rows]
-        else:
-            with self.head_rows.selecting(rows):
-                result = self.module(*inputs)
-            logits = (result[0] if isinstance(result, (tuple, list)) else result).reshape(len(rows), -1)
+        logits = result[0] if isinstance(result, (tuple, list)) else result
+        logits = logits.reshape(-1, logits.shape[-1])
+        logits = logits if self.head_rows is not None else logits[rows]
         return logits if logits.dtype == torch.float64 else logits.float()  # a float64 program keeps its digits
 
     @torch.no_grad()
@@ -162,25 +161,13 @@ class PackedScorer:
                 raise FloatingPointError(f"{self.desc}: non-finite logits")
             yield chosen, wanted, logits
 
-    def logits_of(self, seqs: List[Tuple[int, ...]]) -> List[torch.Tensor]:
-        """Float logits [len(seq), vocab] of each sequence."""
-        return self._rows_of_each(seqs, last_only=False)
-
     def next_logits(self, seqs: List[Tuple[int, ...]]) -> List[torch.Tensor]:
         """The logits after each sequence (what greedy generation takes the next token from)."""
-        return [logits[-1] for logits in self._rows_of_each(seqs, last_only=True)]
-
-    def _rows_of_each(self, seqs: List[Tuple[int, ...]], last_only: bool) -> List[torch.Tensor]:
-        def rows_of(block, start, _):
-            return [start + len(block.prefix) - 1] if last_only else list(range(start, start + len(block.prefix)))
-
         out: Dict[int, torch.Tensor] = {}
         blocks = [Block(tuple(s), [()], [i]) for i, s in enumerate(seqs)]
-        for chosen, wanted, logits in self._calls(blocks, rows_of):
-            at = 0
-            for block, rows in zip(chosen, wanted):
-                out[block.owners[0]] = logits[at: at + len(rows)]
-                at += len(rows)
+        for chosen, _, logits in self._calls(blocks, lambda block, start, _: [start + len(block.prefix) - 1]):
+            for at, block in enumerate(chosen):  # one row per block
+                out[block.owners[0]] = logits[at]
         return [out[i] for i in range(len(seqs))]
 
     def score(self, requests: List[ScoreRequest]) -> List[Scored]:
