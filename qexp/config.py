@@ -250,6 +250,7 @@ class TrackingConfig:
 
 
 SENSITIVITY_VIEWS = ("cost", "gain")
+LOW_WEIGHTS = ("rtn", "algorithms")
 
 
 @dataclass
@@ -273,6 +274,10 @@ class SensitivityConfig:
     budgets: List[float] = field(default_factory=lambda: [0.03, 0.05, 0.10])
     # average-bits budgets (per decoder-linear weight) to synthesize the best recipe within
     bit_budgets: List[float] = field(default_factory=list)
+    # the low precision's weights: rtn, the (transformed) float weights rounded to nearest; algorithms, the weights
+    # the run's trailing weight-rounding algorithms (weight_clip, gptq) deploy, the rest measured from the model
+    # before them (qexp/sensitivity/program.py)
+    low_weights: str = "rtn"
     # where the recipes go as conf/quant-style YAMLs (quant=<dir name>/<file> when inside conf/quant); empty: only
     # the run's artifacts
     recipe_dir: str = ""

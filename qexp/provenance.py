@@ -31,7 +31,8 @@ LATER_DEFAULTS = {("quant", "weight_range"): "narrow", ("eval", "htp_exact"): Fa
                   ("backend", "compile_workers"): 2, ("backend", "contexts"): "per_graph",
                   ("model", "masked_softmax"): None, ("algorithm", "weight_clip", "objective"): "weights",
                   ("sensitivity",): None, ("search",): None, ("eval", "tasks"): [], ("eval", "task_paths"): [],
-                  ("eval", "task_limit"): None}
+                  ("eval", "task_limit"): None,
+                  ("sensitivity", "low_weights"): "rtn"}
 
 
 def without_later_defaults(container: dict, prefix: tuple = ()) -> dict:

@@ -156,6 +156,44 @@ def test_tracked_analysis_its_cache_and_a_recipe_a_run_uses(compose_sensitivity,
     assert metrics["weight_bits_lm_head"] == 8 and metrics["weights_htp_lm_head_mb"] > 0
 
 
+def test_low_weights_algorithms_measures_the_program_the_rounding_algorithms_deploy(compose_sensitivity):
+    """With low_weights=algorithms the analysis measures from the rotated model; every group at the low grid is
+    exactly what weight clipping + GPTQ deploy (so the all-low perplexity is the stacked model's), at the high grid
+    the rotated weights rounded to nearest. Round-to-nearest of GPTQ's weights would make every gain nil."""
+    import torch
+
+    from qexp.sensitivity.analysis import analyse
+    from qexp.sensitivity.groups import TensorGrid
+    from qexp.sensitivity.measure import GroupWeights
+    from qexp.sensitivity.replay import LayerReplay, perplexity
+    from qexp.transforms.capture import private_static
+
+    stack = SENS + ["algorithm=[rotation,weight_clip,gptq]", "sensitivity.views=[gain]"]
+    program = analyse(compose_sensitivity(stack + ["sensitivity.low_weights=algorithms"]))
+    rtn = analyse(compose_sensitivity(stack))
+    assert program.model.transforms == ("rotation",) and rtn.model.transforms == ("rotation", "weight_clip", "gptq")
+    assert program.tags["sensitivity_low_weights"] == "algorithms" and program.program is not None
+    deployed = rtn.state.deploy_model
+    static = private_static(deployed, program.selection.seq_len, rtn.state.cfg.model)
+    params = dict(static.module.named_parameters())
+    recipe_groups = [g for g in program.groups if g.in_recipes]
+    assert sorted(program.program.weights) == sorted(g.name for g in recipe_groups)
+    for g in recipe_groups:  # GPTQ's weights are on their grid: rounding them onto their exact scales keeps them
+        if g.layer is None:  # GPTQ rounds the decoder layers; the lm head is round-to-nearest on weight_clip's scales
+            continue
+        deployed_w = params[f"{g.module_path}.weight"].detach()
+        torch.testing.assert_close(program.program.weights[g.name].reshape(deployed_w.shape), deployed_w,
+                                   rtol=0, atol=1e-6, msg=g.name)
+    weights = GroupWeights(static.module, program.groups, program.program)
+    weights.put_all(lambda g: program.low if g.in_recipes else TensorGrid(8))  # the gain view's base: all low
+    stacked = perplexity(LayerReplay(static, program.selection).loglik(0))
+    assert program.summary["ppl_all_low_selection"] == pytest.approx(stacked, rel=1e-6)
+    # RTN of the stacked weights: promoting a GPTQ'd group to 8 bits moves it by less than a 4-bit step's rounding
+    decoder = [g.name for g in recipe_groups if g.layer is not None]
+    gains, nil = (a.table.set_index("group").loc[decoder, "gain"].abs().mean() for a in (program, rtn))
+    assert gains > 5 * nil
+
+
 def test_synthesis_finds_the_fewest_promotions_and_says_when_a_budget_cannot_be_met():
     """With a known response (each promotion removes its group's share of the loss), the bisection returns the
     shortest prefix of the order that meets the budget; a budget below all-high is reported, not faked."""
@@ -194,13 +232,16 @@ def test_synthesis_finds_the_fewest_promotions_and_says_when_a_budget_cannot_be_
     ("sensitivity.budgets=[-0.05]", "budgets"),
     ("sensitivity.views=[cost,loss]", "sensitivity.views"),
     ("sensitivity.bit_budgets=[3.5]", "outside [4, 8]"),
+    ("sensitivity.low_weights=gptq", "choose one of: rtn, algorithms"),
+    ("sensitivity.low_weights=algorithms", "does not end with a weight-rounding algorithm"),
+    (["algorithm=[weight_clip,rotation]", "sensitivity.low_weights=algorithms"], "would not keep the weight scales"),
 ])
 def test_bad_analysis_input_is_refused_before_work(compose_sensitivity, override, message):
     from qexp.errors import ConfigError
     from qexp.sensitivity.analysis import validate_analysis
 
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate_analysis(compose_sensitivity(SENS + [override]))
+        validate_analysis(compose_sensitivity(SENS + (override if isinstance(override, list) else [override])))
 
 
 def test_bad_analysis_input_is_one_line_and_exit_2():

@@ -79,7 +79,7 @@ class Evaluator:
         self.windows = selection_windows(a.state, cfg, cfg.search.selection, "search.selection")
         static = private_static(a.model, self.windows.seq_len, cfg.model)  # weights edited in place
         self.replay = LayerReplay(static, self.windows)
-        self.weights = GroupWeights(static.module, a.groups)
+        self.weights = GroupWeights(static.module, a.groups, a.program)
         self.fp_ll = self.replay.loglik(0)
         self.order = kind_order(a.table, a.groups)
         self.candidates = [g for g in a.groups if g.in_recipes]

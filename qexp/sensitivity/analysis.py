@@ -20,6 +20,7 @@ from qexp.cache import stable_hash
 from qexp.config import NO_QUANT, SENSITIVITY_VIEWS, BlockScaleRounding, Granularity
 from qexp.errors import ConfigError
 from qexp.sensitivity.groups import Group, grid_bits, grids_for, model_groups, select_groups
+from qexp.sensitivity.program import program_weights, start_model, validate_low_weights
 from qexp.transforms.grid import WeightGrid, weight_bits
 
 log = logging.getLogger("qexp")
@@ -39,6 +40,7 @@ class Analysis:
     cache_hit: bool = False
     tags: Dict[str, str] = field(default_factory=dict)
     state: object = None  # the RunState prepared through the transforms (its corpus, tokenizer, calibration)
+    program: object = None  # ProgramWeights with low_weights=algorithms (qexp/sensitivity/program.py), else None
 
 
 def low_grid(quant) -> WeightGrid:
@@ -85,6 +87,7 @@ def validate_analysis(cfg) -> None:
     if shapes:
         select_groups(model_groups(shapes), s.groups)
     validate(cfg)
+    validate_low_weights(cfg)
 
 
 def selection_windows(state, cfg, selection=None, key: str = "sensitivity.selection"):
@@ -114,17 +117,23 @@ def analyse(cfg, progress=log.info) -> Analysis:
     state = prepare(cfg, through="transform")
     s = cfg.sensitivity
     selection = selection_windows(state, cfg)
-    model = state.deploy_model
+    model, program = state.deploy_model, None
     groups = select_groups(model_groups({k: tuple(v.shape) for k, v in model.state_dict.items()}), s.groups)
     low, high = low_grid(cfg.quant), high_grid(s.high)
-    key = stable_hash({"model": model.fingerprint, "r3": state.static.r3, "masked_softmax": state.static.masked_softmax,
-                       "low": low.describe(), "high": high.describe(), "groups": [g.name for g in groups],
-                       "views": sorted(s.views), "selection": selection.sha256, "versions": library_versions(),
-                       "version": ANALYSIS_VERSION})
+    if s.low_weights == "algorithms":
+        model = start_model(state)
+        program = program_weights(model, state.deploy_model, state.static, groups, cfg.quant, low)
+    key = {"model": model.fingerprint, "r3": state.static.r3, "masked_softmax": state.static.masked_softmax,
+           "low": low.describe(), "high": high.describe(), "groups": [g.name for g in groups],
+           "views": sorted(s.views), "selection": selection.sha256, "versions": library_versions(),
+           "version": ANALYSIS_VERSION}
+    if program is not None:  # absent otherwise: the tables cached before the setting existed stay valid
+        key["low_weights"] = program.fingerprint
+    key = stable_hash(key)
 
     def build(tmp):
         static = private_static(model, selection.seq_len, cfg.model)  # weights are edited in place
-        table, summary = measure_table(static, selection, groups, low, high, list(s.views), progress)
+        table, summary = measure_table(static, selection, groups, low, high, list(s.views), progress, program)
         table.to_csv(tmp / "sensitivity.csv", index=False)
         return summary
 
@@ -134,17 +143,18 @@ def analyse(cfg, progress=log.info) -> Analysis:
     tags = {"model_sha256": state.model.fingerprint, "model_sha256_transformed": model.fingerprint,
             "text_source": state.corpus.source, "selection_windows_sha256": selection.sha256,
             "sensitivity_cache_hit": str(hit).lower(), "sensitivity_low": low.describe(),
-            "sensitivity_high": high.describe()}
-    return Analysis(table, summary, groups, low, high, selection, model, hit, tags, state)
+            "sensitivity_high": high.describe(), "sensitivity_low_weights": s.low_weights}
+    return Analysis(table, summary, groups, low, high, selection, model, hit, tags, state, program)
 
 
-def measure_table(static, selection, groups, low, high, views, progress) -> tuple[pd.DataFrame, dict]:
+def measure_table(static, selection, groups, low, high, views, progress,
+                  program=None) -> tuple[pd.DataFrame, dict]:
     from qexp.sensitivity.measure import GroupWeights, float_pass, isolated_deltas
     from qexp.sensitivity.replay import LayerReplay, perplexity
 
     started = time.time()
     replay = LayerReplay(static, selection)
-    weights = GroupWeights(static.module, groups)
+    weights = GroupWeights(static.module, groups, program)
     fp_ll, stats = float_pass(replay, weights, groups, low, high)
     rows = {g.name: {"group": g.name, "layer": g.layer, "projection": g.projection, "n_weights": g.n_weights,
                      "in_recipes": g.in_recipes, "bits_low": grid_bits(grids_for(g, low, high)[0]),

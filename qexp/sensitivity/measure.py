@@ -27,9 +27,10 @@ from qexp.sensitivity.replay import LayerReplay
 class GroupWeights:
     """The float weights of the groups and a way to put any group on any grid, in the static llama in place."""
 
-    def __init__(self, module: torch.nn.Module, groups: List[Group]):
+    def __init__(self, module: torch.nn.Module, groups: List[Group], program=None):
         params = dict(module.named_parameters())
         self.groups = groups
+        self.program = program  # ProgramWeights: on its grid, these groups take the algorithms' weights
         self.params = {g.name: params[f"{g.module_path}.weight"] for g in groups}
         for p in self.params.values():
             # own storage per group: a tied lm head is a view of the embedding table, and putting one group on its
@@ -41,6 +42,8 @@ class GroupWeights:
         w = self.float[group.name]
         if grid is None:
             return w
+        if self.program is not None and grid == self.program.grid and group.name in self.program.weights:
+            return self.program.weights[group.name].reshape(w.shape)
         return grid.quantize(w.reshape(w.shape[0], -1)).reshape(w.shape)
 
     @torch.no_grad()

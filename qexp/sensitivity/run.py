@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import List
 
+from omegaconf import OmegaConf
 
 from qexp.sensitivity.analysis import Analysis, analyse, validate_analysis
 from qexp.sensitivity.synthesis import Recipe, recipe_overrides, recipe_yaml, synthesize, within_bits
@@ -54,7 +55,7 @@ def recipe_measure(cfg, analysis: Analysis):
 
     static = private_static(analysis.model, analysis.selection.seq_len, cfg.model)  # weights edited in place
     replay = LayerReplay(static, analysis.selection)
-    weights = GroupWeights(static.module, analysis.groups)
+    weights = GroupWeights(static.module, analysis.groups, analysis.program)
     fp_ppl = perplexity(replay.loglik(0))
 
     def measure(promoted: List[str]) -> float:
@@ -94,7 +95,15 @@ def budget_label(recipe: Recipe) -> str:
 
 
 def recipe_name(cfg, recipe: Recipe) -> str:
-    return f"mp_{cfg.model.name}_{cfg.quant.name}_{budget_label(recipe)}"
+    """mp_<model>_<quant>_<budget>; with low_weights=algorithms the rounding algorithms come before the budget
+    (mp_<model>_<quant>_weight_clip_gptq_b5_00), so such a recipe never takes an RTN recipe's name."""
+    tail = ""
+    if OmegaConf.select(cfg, "sensitivity.low_weights", default="rtn") == "algorithms":
+        from qexp.sensitivity.program import split_algorithms
+        from qexp.transforms import build_transforms
+
+        tail = "".join(f"_{t.name}" for t in split_algorithms(build_transforms(cfg.algorithm))[1])
+    return f"mp_{cfg.model.name}_{cfg.quant.name}{tail}_{budget_label(recipe)}"
 
 
 def _log_results(cfg, analysis: Analysis, recipes: List[Recipe], run_id: str) -> None:
@@ -105,7 +114,7 @@ def _log_results(cfg, analysis: Analysis, recipes: List[Recipe], run_id: str) ->
     Tracker.metrics({k: v for k, v in analysis.summary.items() if isinstance(v, (int, float)) and math.isfinite(v)})
     Tracker.text(analysis.table.to_csv(index=False), "sensitivity/sensitivity.csv")
     with tempfile.TemporaryDirectory() as tmp:
-        title = (f"{cfg.model.name}: {analysis.low.describe()} vs {analysis.high.describe()}, "
+        title = (f"{cfg.model.name}: {analysis.low.describe()}{low_note(analysis)} vs {analysis.high.describe()}, "
                  f"{analysis.selection.n_windows} selection windows x {analysis.selection.seq_len} tokens")
         Tracker.file(heatmap(analysis.table, Path(tmp) / "sensitivity_heatmap.png", title), "sensitivity")
     out_dir = Path(cfg.sensitivity.recipe_dir) if cfg.sensitivity.recipe_dir else None
@@ -118,8 +127,9 @@ def _log_results(cfg, analysis: Analysis, recipes: List[Recipe], run_id: str) ->
                   f"{budget} ({'met' if recipe.met else 'NOT met'}); on the selection windows "
                   f"{recipe.ppl_ratio_selection:+.2%} vs FP, {recipe.average_bits:.3f} bits per decoder-linear weight, "
                   f"lm head {recipe.lm_head_bits:g} bits.\n"
-                  f"Low {analysis.low.describe()}, high {cfg.sensitivity.high} per channel; the lm head's bits are "
-                  "said apart. Report it on the test windows: python -m qexp quant=<this recipe>.")
+                  f"Low {analysis.low.describe()}{low_note(analysis)}, high {cfg.sensitivity.high} per channel; "
+                  "the lm head's bits are said apart. Report it on the test windows: "
+                  "python -m qexp quant=<this recipe>.")
         text = recipe_yaml(cfg.quant, recipe, recipe_overrides(analysis.groups, recipe.promoted,
                                                                 cfg.sensitivity.high, note), name, header)
         Tracker.text(text, f"recipes/{name}.yaml")
@@ -131,6 +141,10 @@ def _log_results(cfg, analysis: Analysis, recipes: List[Recipe], run_id: str) ->
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / f"{name}.yaml").write_text(text)
             log.info("recipe written: %s", out_dir / f"{name}.yaml")
+
+
+def low_note(analysis: Analysis) -> str:
+    return " (weights as the algorithms round them)" if analysis.program is not None else ""
 
 
 def unmet_budget_lines(cfg, recipes) -> list:

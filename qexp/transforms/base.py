@@ -70,6 +70,9 @@ class ModelTransform:
     # that sets them must come after every transform that changes weights without reading them (validate_transforms).
     sets_weight_ranges: ClassVar[bool] = False
     uses_weight_ranges: ClassVar[bool] = False  # rounds onto earlier ranges (GPTQ after weight_clip)
+    # changes nothing but the linear weights and their exact ranges, choosing them for the low grid (weight clipping,
+    # GPTQ): what a sensitivity analysis with low_weights=algorithms takes as the low precision
+    rounds_weights: ClassVar[bool] = False
 
     def __init__(self, config: Any):
         self.config = config

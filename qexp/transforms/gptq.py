@@ -126,6 +126,7 @@ class Gptq(GridSearchTransform):
     version = 2  # 2: per-block scales chosen when GPTQ reaches each block (static_groups=false)
     sets_weight_ranges = True  # its scales, exactly (the module docstring)
     uses_weight_ranges = True  # rounds onto the scales an earlier weight_clip chose
+    rounds_weights = True
     needs_grid_because = "rounds weights onto a quantization grid"
 
     def validate(self, cfg) -> None:

@@ -142,6 +142,7 @@ class WeightClip(GridSearchTransform):
     name = "weight_clip"
     config_class = WeightClipConfig
     sets_weight_ranges = True
+    rounds_weights = True  # the weights stay; their scales are chosen
     needs_calibration = False
     needs_grid_because = "searches scales on a quantization grid"
 
