@@ -32,7 +32,7 @@ LATER_DEFAULTS = {("quant", "weight_range"): "narrow", ("eval", "htp_exact"): Fa
                   ("model", "masked_softmax"): None, ("algorithm", "weight_clip", "objective"): "weights",
                   ("sensitivity",): None, ("search",): None, ("eval", "tasks"): [], ("eval", "task_paths"): [],
                   ("eval", "task_limit"): None,
-                  ("sensitivity", "low_weights"): "rtn"}
+                  ("sensitivity", "low_weights"): "rtn", ("algorithm", "qat", "scale_lr"): None}
 
 
 def without_later_defaults(container: dict, prefix: tuple = ()) -> dict:

@@ -99,10 +99,30 @@ def test_a_killed_training_resumes_from_its_checkpoint_to_the_same_result(tmp_pa
     ("quant=fp32", "algorithm qat trains against a quantization grid, and quant=fp32 has none"),
     ("algorithm.qat.learn_scales=true quant=16a4w_block", "learn_scales=true with a per-block"),
     ("algorithm.qat.device=tpu", "algorithm.qat.device='tpu'"),
+    ("algorithm.qat.scale_lr=1e-5", "scale_lr=1e-05 without learn_scales=true"),
+    ("algorithm.qat.learn_scales=true quant=16a4w algorithm.qat.scale_lr=0", "algorithm.qat.scale_lr=0"),
 ])
 def test_bad_settings_are_refused_before_any_work(compose, override, message):
     with pytest.raises(ConfigError, match=message):
         validate(compose(QAT + override.split()))
+
+
+def test_learned_scales_train_at_their_own_rate(compose):
+    """scale_lr is the scales' rate alone: near zero, the scales stay at their start (absmax / qmax) while the weights
+    train; at a tenth of the weights' rate they move (at the weights' own 1e-3 the tiny model's validation never
+    improves, and the start is kept)."""
+    learned = QAT + ["quant=16a4w", "algorithm.qat.learn_scales=true"]
+    key = "layers.0.feed_forward.w2.weight"
+
+    def trained(overrides):
+        state = prepare(compose(learned + overrides), through="transform")
+        start = state.model.state_dict[key].abs().amax(1)  # the initial range of each row: absmax
+        model = state.deploy_model
+        assert not torch.equal(model.state_dict[key], state.model.state_dict[key])  # the weights trained
+        return (model.weight_ranges[key].reshape(-1) / start - 1).abs().max().item()
+
+    assert trained(["algorithm.qat.scale_lr=1e-12"]) < 1e-5
+    assert trained(["algorithm.qat.scale_lr=1e-4"]) > 1e-3
 
 
 def test_a_token_budget_beyond_the_calibration_half_is_refused(compose):

@@ -46,6 +46,7 @@ class LoopSettings:
     eval_every: int  # steps between validations
     patience: int  # validations without improvement before stopping (0: never stop early)
     device: torch.device
+    scale_lr: Optional[float] = None  # the learned scales' peak rate (None: lr)
 
 
 @dataclass
@@ -117,7 +118,10 @@ class _Training:
         teacher.to(settings.device).eval()
         decay = [p for n, p in self.trainable.items() if not n.endswith(".scales")]
         no_decay = [p for n, p in self.trainable.items() if n.endswith(".scales")]
-        groups = [{"params": decay}] + ([{"params": no_decay, "weight_decay": 0.0}] if no_decay else [])
+        # AdamW moves a parameter by about the rate a step whatever its gradient's size, so scales (a few 1e-3) need
+        # their own, smaller rate; the schedule scales every group's rate alike
+        scale_group = {"params": no_decay, "weight_decay": 0.0, "lr": settings.scale_lr or settings.lr}
+        groups = [{"params": decay}] + ([scale_group] if no_decay else [])
         self.optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.999), eps=1e-8,
                                            weight_decay=settings.weight_decay)
         warmup_steps = max(1, int(settings.steps * settings.warmup))

@@ -43,6 +43,7 @@ class QatConfig(TransformConfig):
     # the token embedding and the lm head
     frozen: List[str] = field(default_factory=lambda: ["tok_embeddings", r"^output\."])
     learn_scales: bool = False  # per-channel weight scales train too (LSQ gradient); false: fixed at the start
+    scale_lr: Optional[float] = None  # the learned scales' peak learning rate (same schedule); null: lr
     validation_sequences: int = 8  # the calibration half's last sequences, for validation and early stopping
     validations: int = 8  # how many times training validates (and checkpoints)
     patience: int = 0  # validations without improvement before stopping early (0: train every step)
@@ -73,6 +74,9 @@ class Qat(GridSearchTransform):
              f"validation_sequences={c.validation_sequences} validations={c.validations}", "use values >= 1"),
             (c.seq_len is None or c.seq_len >= 2, f"seq_len={c.seq_len}", "use seq_len >= 2 or null"),
             (c.device in ("auto", "cpu", "cuda"), f"device={c.device!r}", "use auto, cpu or cuda"),
+            (c.scale_lr is None or c.scale_lr > 0, f"scale_lr={c.scale_lr}", "use a scale learning rate > 0 or null"),
+            (c.scale_lr is None or c.learn_scales, f"scale_lr={c.scale_lr} without learn_scales=true",
+             "set algorithm.qat.learn_scales=true, or leave scale_lr null"),
         ]
         for ok, what, fix in checks:
             if not ok:
@@ -166,7 +170,7 @@ class Qat(GridSearchTransform):
         settings = LoopSettings(steps=steps, grad_accum=c.grad_accum, lr=c.lr, warmup=c.warmup, alpha=c.alpha,
                                 temperature=c.temperature, max_grad_norm=c.max_grad_norm,
                                 weight_decay=c.weight_decay, eval_every=max(1, -(-steps // c.validations)),
-                                patience=c.patience, device=device)
+                                patience=c.patience, device=device, scale_lr=c.scale_lr)
         n_train = sum(p.numel() for p in student.module.parameters() if p.requires_grad)
         log.info("QAT: %d steps of %d x %d tokens (%d tokens of %s, %d validation sequences), %d parameters train, "
                  "on %s", steps, c.grad_accum, seq_len, steps * c.grad_accum * seq_len, text.source,
