@@ -169,7 +169,11 @@ def test_low_weights_algorithms_measures_the_program_the_rounding_algorithms_dep
     from qexp.transforms.capture import private_static
 
     stack = SENS + ["algorithm=[rotation,weight_clip,gptq]", "sensitivity.views=[gain]"]
-    program = analyse(compose_sensitivity(stack + ["sensitivity.low_weights=algorithms"]))
+    from qexp.sensitivity.program import recipe_tag
+
+    program_cfg = compose_sensitivity(stack + ["sensitivity.low_weights=algorithms"])
+    assert recipe_tag(program_cfg) == "_weight_clip_gptq" and recipe_tag(compose_sensitivity(stack)) == ""
+    program = analyse(program_cfg)
     rtn = analyse(compose_sensitivity(stack))
     assert program.model.transforms == ("rotation",) and rtn.model.transforms == ("rotation", "weight_clip", "gptq")
     assert program.tags["sensitivity_low_weights"] == "algorithms" and program.program is not None

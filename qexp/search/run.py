@@ -53,7 +53,9 @@ def validate_search(cfg, directions: Optional[Sequence[str]] = None) -> None:
 
 
 def recipe_name(cfg, bits: float) -> str:
-    return f"ms_{cfg.model.name}_{cfg.quant.name}_b{bits:.3f}".replace(".", "_")
+    from qexp.sensitivity.program import recipe_tag
+
+    return f"ms_{cfg.model.name}_{cfg.quant.name}{recipe_tag(cfg)}_b{bits:.3f}".replace(".", "_")
 
 
 def run_trial(cfg, job=None) -> Tuple[str, object]:

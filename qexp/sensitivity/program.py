@@ -63,6 +63,18 @@ def validate_low_weights(cfg) -> None:
                               "end algorithm=[...] with weight_clip and/or gptq, or use sensitivity.low_weights=rtn")
 
 
+def recipe_tag(cfg) -> str:
+    """What a recipe's name says of low_weights=algorithms: the rounding algorithms ("_weight_clip_gptq"), so such a
+    recipe never takes a round-to-nearest recipe's name; "" for rtn."""
+    from omegaconf import OmegaConf
+
+    from qexp.transforms import build_transforms
+
+    if OmegaConf.select(cfg, "sensitivity.low_weights", default="rtn") != "algorithms":
+        return ""
+    return "".join(f"_{t.name}" for t in split_algorithms(build_transforms(cfg.algorithm))[1])
+
+
 def start_model(state):
     """The run's model through the algorithms before the rounding tail (cached where they are)."""
     from qexp.transforms import TransformContext, apply_transforms, build_transforms

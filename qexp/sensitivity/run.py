@@ -13,7 +13,6 @@ import tempfile
 from pathlib import Path
 from typing import List
 
-from omegaconf import OmegaConf
 
 from qexp.sensitivity.analysis import Analysis, analyse, validate_analysis
 from qexp.sensitivity.synthesis import Recipe, recipe_overrides, recipe_yaml, synthesize, within_bits
@@ -97,13 +96,9 @@ def budget_label(recipe: Recipe) -> str:
 def recipe_name(cfg, recipe: Recipe) -> str:
     """mp_<model>_<quant>_<budget>; with low_weights=algorithms the rounding algorithms come before the budget
     (mp_<model>_<quant>_weight_clip_gptq_b5_00), so such a recipe never takes an RTN recipe's name."""
-    tail = ""
-    if OmegaConf.select(cfg, "sensitivity.low_weights", default="rtn") == "algorithms":
-        from qexp.sensitivity.program import split_algorithms
-        from qexp.transforms import build_transforms
+    from qexp.sensitivity.program import recipe_tag
 
-        tail = "".join(f"_{t.name}" for t in split_algorithms(build_transforms(cfg.algorithm))[1])
-    return f"mp_{cfg.model.name}_{cfg.quant.name}{tail}_{budget_label(recipe)}"
+    return f"mp_{cfg.model.name}_{cfg.quant.name}{recipe_tag(cfg)}_{budget_label(recipe)}"
 
 
 def _log_results(cfg, analysis: Analysis, recipes: List[Recipe], run_id: str) -> None:
