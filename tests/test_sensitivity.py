@@ -193,6 +193,12 @@ def test_low_weights_algorithms_measures_the_program_the_rounding_algorithms_dep
     stacked = perplexity(LayerReplay(static, program.selection).loglik(0))
     assert program.summary["ppl_all_low_selection"] == pytest.approx(stacked, rel=1e-6)
     # RTN of the stacked weights: promoting a GPTQ'd group to 8 bits moves it by less than a 4-bit step's rounding
+    # a subset of groups: the others keep the stack's weights, as in an rtn analysis
+    subset = analyse(compose_sensitivity(stack + ["sensitivity.low_weights=algorithms", "sensitivity.groups=down"]))
+    kept, analysed = "layers.1.attention.wq.weight", "layers.1.feed_forward.w2.weight"
+    assert torch.equal(subset.model.state_dict[kept], deployed.state_dict[kept])
+    assert torch.equal(subset.model.state_dict[analysed], program.model.state_dict[analysed])
+    assert not torch.equal(subset.model.state_dict[analysed], deployed.state_dict[analysed])
     decoder = [g.name for g in recipe_groups if g.layer is not None]
     gains, nil = (a.table.set_index("group").loc[decoder, "gain"].abs().mean() for a in (program, rtn))
     assert gains > 5 * nil

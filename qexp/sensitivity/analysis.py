@@ -20,7 +20,7 @@ from qexp.cache import stable_hash
 from qexp.config import NO_QUANT, SENSITIVITY_VIEWS, BlockScaleRounding, Granularity
 from qexp.errors import ConfigError
 from qexp.sensitivity.groups import Group, grid_bits, grids_for, model_groups, select_groups
-from qexp.sensitivity.program import program_weights, start_model, validate_low_weights
+from qexp.sensitivity.program import analysed_model, program_weights, start_model, validate_low_weights
 from qexp.transforms.grid import WeightGrid, weight_bits
 
 log = logging.getLogger("qexp")
@@ -121,8 +121,9 @@ def analyse(cfg, progress=log.info) -> Analysis:
     groups = select_groups(model_groups({k: tuple(v.shape) for k, v in model.state_dict.items()}), s.groups)
     low, high = low_grid(cfg.quant), high_grid(s.high)
     if s.low_weights == "algorithms":
-        model = start_model(state)
-        program = program_weights(model, state.deploy_model, state.static, groups, cfg.quant, low)
+        start = start_model(state)
+        program = program_weights(start, state.deploy_model, state.static, groups, cfg.quant, low)
+        model = analysed_model(start, state.deploy_model, groups)
     key = {"model": model.fingerprint, "r3": state.static.r3, "masked_softmax": state.static.masked_softmax,
            "low": low.describe(), "high": high.describe(), "groups": [g.name for g in groups],
            "views": sorted(s.views), "selection": selection.sha256, "versions": library_versions(),
