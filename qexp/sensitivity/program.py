@@ -86,18 +86,22 @@ def start_model(state):
     return apply_transforms(state.model, start, context)
 
 
+def _linears(model) -> List[str]:
+    """The Meta names of the model's quantized linear weights (what the rounding algorithms may change)."""
+    return weight_layers({k: tuple(v.shape) for k, v in model.state_dict.items()})
+
+
 def analysed_model(start, program, groups: List[Group]):
     """The start model with the deployed weights of the linears the analysis leaves out (`sensitivity.groups`): they
     stay as the stack left them, as in an rtn analysis."""
     chosen = {g.meta_key for g in groups}
-    linears = weight_layers({k: tuple(v.shape) for k, v in program.state_dict.items()})
-    others = {k: program.state_dict[k] for k in linears if k not in chosen}
+    others = {k: program.state_dict[k] for k in _linears(program) if k not in chosen}
     return dataclasses.replace(start, state_dict={**start.state_dict, **others}) if others else start
 
 
 def program_weights(start, program, static, groups: List[Group], quant_cfg, low: WeightGrid) -> ProgramWeights:
     """The tail's weights of every group the run quantized on the low grid, in the static module's row order."""
-    keys = set(weight_layers({k: tuple(v.shape) for k, v in program.state_dict.items()}))
+    keys = set(_linears(program))
     moved = [k for k, v in program.state_dict.items()
              if k not in keys and not torch.equal(v, start.state_dict.get(k, v.new_empty(0)))]
     if moved:  # a rounding algorithm must leave every other tensor alone, or the start model is not its input
