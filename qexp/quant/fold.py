@@ -14,6 +14,13 @@ same float32 operations in place on one tensor, round(x * (1.0 / s)), clamped to
 zp before the clamp and subtracting it after are exact on these integer values, so they cancel; the result is the
 pair's bit for bit. (ATen's fused fake_quantize_per_tensor_affine would be one kernel, but measured 1.4x slower than
 the pair on SmolLM2: it also writes a mask.)
+
+Most of those pairs then do nothing: the quantizer annotates a reshape, permute, slice or select with its input's
+quantization parameters, so the exported graph quantizes a tensor, views it, and quantizes the view again on the
+same grid; and a tensor read by several consumers gets one pair per consumer. A fake quantize is idempotent on its
+own grid (a value k * s, k an integer in range, divided by s is within 0.02 of k for |k| <= 65535 in float32, so it
+rounds back to k, and k * s is the same product again), so such a repeat returns its input bit for bit and is dropped,
+and identical ones share one result (`drop_redundant_fake_quant`).
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ _FOLDABLE = ("dequantize_per_channel", "dequantize_per_tensor", "dequantize_affi
 
 
 def with_weights_dequantized(module: torch.fx.GraphModule, htp_exact_w4_lowering: str | None = None,
-                             fuse_activations: bool = True, htp_exact_models: tuple | None = None):
+                             fuse_activations: bool = True, htp_exact_models: tuple | None = None,
+                             drop_redundant: bool = True):
     """A copy of `module` (its own graph; the tensors shared, not copied) with its weights' dequantize ops folded.
     With `htp_exact_w4_lowering` set, its 16-bit-activation layers first get HTP's integer arithmetic
     (qexp.quant.htp_arithmetic_pass, eval.htp_exact) for that 4-bit lowering (`htp_exact_models`: a subset of its
@@ -47,6 +55,8 @@ def with_weights_dequantized(module: torch.fx.GraphModule, htp_exact_w4_lowering
     fold_weight_dequantize(folded)
     if fuse_activations:  # off only to measure what it saves (benchmarks/bench_qdq_eval.py)
         fuse_activation_fake_quant(folded)
+        if drop_redundant:  # likewise
+            drop_redundant_fake_quant(folded)
     return folded
 
 
@@ -142,3 +152,52 @@ def fuse_activation_fake_quant(module: torch.fx.GraphModule) -> int:
     graph.lint()
     module.recompile()
     return fused
+
+
+# ops whose every output element is one of their (first) input's elements: a value on a grid stays on it
+_VALUE_PRESERVING = frozenset({
+    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default",
+    "aten.transpose.int", "aten.t.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default",
+    "aten.unsqueeze.default", "aten.expand.default", "aten.slice.Tensor", "aten.select.int", "aten.clone.default",
+    "aten.alias.default", "aten.contiguous.default", "aten.index.Tensor", "aten.index_select.default",
+})
+
+
+def _on_grid(node, params: tuple) -> bool:
+    """Whether every value of `node` is the output of a fake quantize with `params` (through value-preserving ops;
+    a cat when all its inputs are)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        if node.target is fake_quantize:
+            return tuple(node.args[1:]) == params
+        target = str(node.target)
+        if target == "aten.cat.default":
+            return all(_on_grid(part, params) for part in node.args[0])
+        if target not in _VALUE_PRESERVING:
+            return False
+        node = node.args[0]
+    return False
+
+
+def drop_redundant_fake_quant(module: torch.fx.GraphModule) -> int:
+    """In place: remove each fake_quantize whose input is already on its grid (module docstring) and let identical
+    fake_quantize calls (same input, same parameters) share the first one's result. Bit-identical; returns how many
+    calls went."""
+    graph = module.graph
+    dropped = 0
+    first: dict = {}
+    for node in list(graph.nodes):
+        if node.target is not fake_quantize:
+            continue
+        source, params = node.args[0], tuple(node.args[1:])
+        keep = first.get((source, params))
+        if keep is None and params[3] - params[2] <= 65535 and _on_grid(source, params):  # the bound above
+            keep = source
+        if keep is None:
+            first[(source, params)] = node
+            continue
+        node.replace_all_uses_with(keep)
+        graph.erase_node(node)
+        dropped += 1
+    graph.lint()
+    module.recompile()
+    return dropped
