@@ -176,6 +176,13 @@ def test_secret_named_settings_and_uri_credentials_are_masked():
     assert redact_text("uri=https://bob:pw@host/x?api_key=k&page=2 user_token=t") == (
         "uri=https://bob:***@host/x?api_key=***&page=2 user_token=***")
     assert redact_text("sqlite:////home/me/mlruns.db") == "sqlite:////home/me/mlruns.db"
+    assert redact_text("token=t HF_TOKEN=t model.access_token=t") == "token=*** HF_TOKEN=*** model.access_token=***"
+    # token counts and tokenizer paths are settings, not secrets: a stored command must keep them
+    kept = ("algorithm.qat.tokens=65536 backend.eval_tokens=2048 model.tokenizer=/m/tok.model "
+            "eval.generation_tokens=32 qat(tokens=65536 lr=1e-4)")
+    assert redact_text(kept) == kept
+    assert redact({"tokenizer": "/m/tok.model", "eval_tokens": "2048", "token": "t"}) == {
+        "tokenizer": "/m/tok.model", "eval_tokens": "2048", "token": "***"}
 
 
 def test_the_embedded_store_and_the_cache_are_private(tmp_path):

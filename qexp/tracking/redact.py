@@ -1,6 +1,6 @@
 """Secrets stay out of the store: credentials in a URI (`http://user:PASSWORD@host`, `?token=...`) and the values of
-settings named like a secret (`*_token`, `*password*`, `*secret*`, `*api_key*`) are replaced by `***` in everything
-qexp writes: params, tags, config.yaml, the sweep's command, overrides and log lines."""
+settings named like a secret (`token`, `*_token`, `*password*`, `*secret*`, `*api_key*`) are replaced by `***` in
+everything qexp writes: params, tags, config.yaml, the sweep's command, overrides and log lines."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import re
 from typing import Any
 
 MASK = "***"
-SECRET_NAME = re.compile(r"(token|password|passwd|secret|api_?key|credential)", re.IGNORECASE)
+# `token` only as a word of the name (hf_token, access_token), never inside one: `tokens`, `eval_tokens` and
+# `tokenizer` are budgets and paths a run must keep readable; the others wherever they appear
+_SECRET_WORD = r"(?<![a-z0-9])token(?![a-z0-9])|password|passwd|secret|api_?key|credential"
+SECRET_NAME = re.compile(_SECRET_WORD, re.IGNORECASE)
 # `name=value` where the name looks like a secret: overrides, query strings, log lines
-_ASSIGNMENT = re.compile(r"(?P<key>[\w.+~-]*(?:token|password|passwd|secret|api_?key|credential)[\w.]*)"
-                         r"=(?P<value>[^\s'\"&]+)", re.IGNORECASE)
+_ASSIGNMENT = re.compile(rf"(?P<key>[\w.+~-]*(?:{_SECRET_WORD})[\w.-]*)=(?P<value>[^\s'\"&]+)", re.IGNORECASE)
 # user:password@ after a scheme, also as Hydra prints overrides (`http\://alice\:PW@host`, colons escaped)
 _USERINFO = re.compile(r"(?P<user>://[^\s/@:'\"\\]+)(?P<sep>\\?:)[^\s/@'\"]+@")
 
