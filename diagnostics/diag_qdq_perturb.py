@@ -203,7 +203,9 @@ def diagnose(cfg, variants: list[Perturbation], only: str | None = None):
     if state.qdq is None:
         raise SystemExit("the configured run has no QDQ phase (quant=fp?): nothing to perturb")
     reference = state.qdq.result
-    folded = with_weights_dequantized(state.qdq.program.module)
+    # every quantize/dequantize pair kept: a repeat of a grid is a no-op only while rounding is exact, and each
+    # consumer's pair is perturbed on its own, as this diagnostic always has
+    folded = with_weights_dequantized(state.qdq.program.module, drop_redundant=False)
     perturbed, exact = perturbable(folded, only)
     if not perturbed:
         raise SystemExit(f"--only {only!r} matches no computed activation (names look like layers.3.ffn_norm:rms_norm)")
