@@ -243,8 +243,9 @@ class TrackingConfig:
     experiment: str = "qexp"
     run_name: Optional[str] = None
     connect_timeout_s: float = 5.0
-    # Multirun: the sweep's name (children are tagged with it; `python -m qexp.report --sweep NAME`). A job whose
-    # config hash already has a FINISHED run in the experiment is skipped unless `force`.
+    # The sweep's name: a multirun's children and a single run given it are tagged with it (`python -m qexp.report
+    # --sweep NAME`). A multirun job whose config hash already has a FINISHED run in the experiment is skipped unless
+    # `force`.
     sweep: Optional[str] = None
     force: bool = False
 

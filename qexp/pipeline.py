@@ -207,7 +207,7 @@ def _still_valid(cfg: DictConfig) -> bool:
 
 def _tracked_run(cfg: DictConfig, tracker: Tracker, chash: str, job: Optional["SweepJob"]) -> ExperimentResult:
     with captured_log(verbose=bool(cfg.verbose)) as run_log:
-        tags = {"config_hash": chash, **environment_tags(), **(job.tags() if job else {})}
+        tags = {"config_hash": chash, **environment_tags(), **(job.tags() if job else _named_sweep_tags(cfg))}
         name = cfg.tracking.run_name or _default_run_name(cfg, job)
         run_id = tracker.start(name, tags)
         try:
@@ -244,6 +244,14 @@ def _tracked_run(cfg: DictConfig, tracker: Tracker, chash: str, job: Optional["S
 def _phases(state: RunState) -> str:
     phases = ["fp"] + (["qdq"] if state.quantized else [])
     return ",".join(phases + ([state.cfg.backend.name] if state.backend.deploys else []))
+
+
+def _named_sweep_tags(cfg: DictConfig) -> Dict[str, str]:
+    """A single run given `tracking.sweep` belongs to that sweep too, so `qexp.report --sweep NAME` finds it (a run
+    added to a sweep's table later, e.g. one deployed configuration)."""
+    from qexp.tracking.sweep import SWEEP_TAG
+
+    return {SWEEP_TAG: str(cfg.tracking.sweep)} if cfg.tracking.sweep else {}
 
 
 def _default_run_name(cfg: DictConfig, job: Optional["SweepJob"]) -> str:

@@ -81,10 +81,12 @@ def test_experiment_in_embedded_store(compose, store_uri):
 
 
 def test_fp32_runs_only_fp_phase(compose, store_uri):
-    result = run_experiment(compose(TINY + ["quant=fp32"]))
+    result = run_experiment(compose(TINY + ["quant=fp32", "tracking.sweep=one_off"]))
     run = MlflowClient(store_uri).get_run(result.run_id)
     assert "ppl_fp" in run.data.metrics and "ppl_qdq" not in run.data.metrics
     assert run.data.tags["phases"] == "fp"
+    # a single run named into a sweep is found by `qexp.report --sweep`, not only a multirun's children
+    assert run.data.tags["qexp.sweep"] == "one_off" and "mlflow.parentRunId" not in run.data.tags
 
 
 def test_second_run_hits_the_qdq_cache(compose, store_uri):
