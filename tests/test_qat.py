@@ -48,6 +48,15 @@ def test_the_program_rounds_the_trained_weights_as_training_did(compose, quant):
     assert state.metrics["qat_val_kd_best"] <= state.metrics["qat_val_kd_start"]
 
 
+@pytest.mark.parametrize("frozen, trains", [("[tok_embeddings]", ["output.weight"]),
+                                             ("[]", ["output.weight", "tok_embeddings.weight"])])
+def test_unfrozen_embedding_and_head_train_and_reach_the_program(compose, frozen, trains):
+    state = prepare(compose(QAT + [f"algorithm.qat.frozen={frozen}"]), through="qdq")
+    for key in ("output.weight", "tok_embeddings.weight"):
+        moved = not torch.equal(state.deploy_model.state_dict[key], state.model.state_dict[key])
+        assert moved == (key in trains), key
+
+
 def test_curves_and_training_text_are_logged_also_from_the_cache(compose, store_uri):
     cfg = compose(QAT + ["algorithm.qat.seed=1"])
     first, second = run_experiment(cfg), run_experiment(cfg)
