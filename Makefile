@@ -10,18 +10,18 @@ setup:
 run: setup
 	$(VENV_PY) -m qexp +experiment=$(EXPERIMENT)
 
-# Three pytest workers, a test file each at a time (--dist loadfile: a file's module fixtures, e.g. a compiled program,
-# are built once): most tests run single-threaded Python (export, QNN's graph preparation) or wait on subprocesses
-# and services, so two workers left the two cores ~40% idle (docs/testing-and-benchmarks.md has the two runs compared).
-# PYTEST_WORKERS=2 (or 1) if memory is short.
+# Three pytest workers: most tests run single-threaded Python (export, QNN's graph preparation) or wait on subprocesses
+# and services, so two workers left the two cores ~40% idle (docs/testing-and-benchmarks.md has the runs compared).
+# --dist loadgroup --no-loadscope-reorder: tests/conftest.py groups a file's tests that share module fixtures and hands
+# the units out longest first (tests/durations.txt). PYTEST_WORKERS=2 (or 1) if memory is short.
 PYTEST_WORKERS ?= 3
 
 test: setup
 	@bash scripts/setup_test_system.sh
-	$(VENV_PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25 tests
+	$(VENV_PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25 tests
 
 test-fast: setup
-	$(VENV_PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" tests
+	$(VENV_PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not slow" tests
 
 bench: setup
 	$(VENV_PY) benchmarks/bench_default.py

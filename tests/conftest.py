@@ -6,6 +6,7 @@ store, never the user's.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -103,14 +104,75 @@ def mlflow_server(tmp_path):
     stop_server(proc)
 
 
-# The longest files first (measured with --durations=0), for runs without xdist's reordering (-p no:xdist, or
-# --no-loadscope-reorder): test_smollm2 holds the longest single test (one real SmolLM2 HTP compile), test_cluster
-# mostly waits on SLURM.
-LONGEST_FIRST = ("test_smollm2.py", "test_htp.py", "test_families.py", "test_tasks.py", "test_cluster.py",
-                 "test_speed.py", "test_sweep.py", "test_xnnpack.py", "test_cli.py", "test_reliability.py",
-                 "test_quantize.py", "test_reproducibility.py", "test_qat.py", "test_transforms.py", "test_faults.py")
+# Scheduling for pytest-xdist (`--dist loadgroup --no-loadscope-reorder`, the Makefile's `make test`): a unit of work
+# is a whole file, except in the files of SPLIT, where each test that uses no module-scoped fixture is a unit of its
+# own (their tests share nothing but the worker's session cache). Units go out longest first, by the seconds measured
+# in tests/durations.txt (`scripts/test_durations.py` rewrites it): whole files handed out by test count left SmolLM2's
+# end-to-end test and the SLURM tests to start last, on one worker, while the other two sat idle.
+SPLIT = ("test_smollm2.py", "test_htp.py", "test_speed.py", "test_families.py", "test_cli.py", "test_reliability.py",
+         "test_transforms.py", "test_faults.py", "test_qat.py", "test_tasks.py")
+DURATIONS = Path(__file__).with_name("durations.txt")
+UNKNOWN_SECONDS = 5.0  # a test not in durations.txt yet
+
+
+def _measured_seconds() -> dict:
+    if not DURATIONS.exists():
+        return {}
+    pairs = (line.split(" ", 1) for line in DURATIONS.read_text().splitlines() if line.strip())
+    return {nodeid: float(seconds) for seconds, nodeid in pairs}
+
+
+def _uses_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info else ()
+    return any(d[-1].scope in ("module", "class", "package") for d in defs if d)
+
+
+def _unit(item) -> str:
+    if item.path.name in SPLIT and not _uses_module_fixture(item):
+        return item.nodeid
+    return item.path.name
+
+
+def pytest_configure(config):
+    if not os.environ.get("PYTEST_XDIST_WORKER") and getattr(config.option, "dist", "no") == "loadgroup":
+        # where the workers write each test's unit for the controller's scheduler (workers inherit the variable)
+        os.environ["QEXP_TEST_UNITS"] = str(Path(config.rootpath, ".pytest-units", f"{os.getpid()}.json"))
+
+
+def pytest_unconfigure(config):
+    path = os.environ.get("QEXP_TEST_UNITS")
+    if path and not os.environ.get("PYTEST_XDIST_WORKER"):
+        Path(path).unlink(missing_ok=True)
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    seconds = _measured_seconds()
+    units: dict = {}
+    for index, item in enumerate(items):
+        item.qexp_unit = _unit(item)
+        units.setdefault(item.qexp_unit, [0.0, index])[0] += seconds.get(item.nodeid, UNKNOWN_SECONDS)
+    # stable: the tests of a unit stay together and in file order
+    items.sort(key=lambda item: (-units[item.qexp_unit][0], units[item.qexp_unit][1]))
+    path = os.environ.get("QEXP_TEST_UNITS")
+    if path and os.environ.get("PYTEST_XDIST_WORKER"):
+        Path(path).parent.mkdir(exist_ok=True)
+        tmp = Path(f"{path}.{os.environ['PYTEST_XDIST_WORKER']}")
+        tmp.write_text(json.dumps({item.nodeid: item.qexp_unit for item in items}))
+        tmp.replace(path)  # every worker writes the same map; the rename makes each write whole
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under --dist loadgroup, xdist's scopes are our units (xdist's own xdist_group marks rename node ids, which
+    pytest 9 no longer allows: they would be silently ignored)."""
+    if getattr(config.option, "dist", "no") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            if not hasattr(self, "units"):
+                self.units = json.loads(Path(os.environ["QEXP_TEST_UNITS"]).read_text())
+            return self.units.get(nodeid, nodeid.split("::")[0])
+
+    return UnitScheduling(config, log)
