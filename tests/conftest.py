@@ -162,6 +162,7 @@ def pytest_collection_modifyitems(config, items):
         tmp.replace(path)  # every worker writes the same map; the rename makes each write whole
 
 
+@pytest.hookimpl(optionalhook=True)  # a run without xdist (-p no:xdist) has no such hook
 def pytest_xdist_make_scheduler(config, log):
     """Under --dist loadgroup, xdist's scopes are our units (xdist's own xdist_group marks rename node ids, which
     pytest 9 no longer allows: they would be silently ignored)."""
