@@ -158,11 +158,16 @@ def transform(state) -> None:
     if not transforms:
         state.deploy_model, state.static = state.model, state.fp_static
         return
+    curves = None
+    if state.tracked:  # curves are logged while a transform trains, and what is left of them once it has
+        from qexp.tracking.store import CurveLog
+
+        curves = CurveLog()
     context = TransformContext(state.cfg, state.calibration, state.cache, state.timer, reference=state.model,
-                               reference_static=state.fp_static)
+                               reference_static=state.fp_static, progress=curves)
     model = apply_transforms(state.model, transforms, context)
     for outputs in context.outputs.values():
-        _log_transform_outputs(state, outputs)
+        _log_transform_outputs(state, outputs, curves)
     state.tags.update({f"transform_cache_hit.{name}": str(hit).lower() for name, hit in context.cache_hits.items()})
     static = StaticLlama.for_model_config(model, state.cfg.export.max_context_len, state.cfg.model)
     with state.timer.stage("eval_fp_transformed"):
@@ -180,14 +185,12 @@ def transform(state) -> None:
              state.metrics["ppl_fp_transformed"], state.metrics["ppl_fp"])
 
 
-def _log_transform_outputs(state, outputs: dict) -> None:
+def _log_transform_outputs(state, outputs: dict, curves) -> None:
     """What a transform reports about itself (QAT: loss curves by step, its training text, summary metrics)."""
     state.metrics.update(outputs.get("metrics", {}))
     state.tags.update(outputs.get("tags", {}))
-    if state.tracked and outputs.get("metric_history"):
-        from qexp.tracking.store import Tracker
-
-        Tracker.metric_history(outputs["metric_history"])
+    if curves is not None and outputs.get("metric_history"):
+        curves(outputs["metric_history"])
     dataset = outputs.get("dataset")
     if dataset:
         state.log_dataset({"input_ids": np.asarray(dataset["ids"])}, dataset["name"], dataset["digest"],

@@ -69,21 +69,29 @@ StepContext = Callable[[bool], ContextManager]
 
 def train(student: nn.Module, teacher: nn.Module, forward: Callable[[nn.Module, torch.Tensor], torch.Tensor],
           train_ids: torch.Tensor, validation_ids: torch.Tensor, settings: LoopSettings,
-          checkpoint: Optional[Path] = None, step_context: Optional[StepContext] = None) -> History:
+          checkpoint: Optional[Path] = None, step_context: Optional[StepContext] = None,
+          on_validation: Optional[Callable[[History], None]] = None) -> History:
     """Train `student`'s parameters that require grad in place. `forward(module, ids [T])` returns logits [T, V] on
     `settings.device`. `step_context(grad)` wraps each optimizer step's micro-batches (grad=True) and each validation
-    (grad=False), within which the student's weights do not change (qexp/qat/fake_quant.py `quantized_once`). On
-    return the student holds the best validated weights."""
+    (grad=False), within which the student's weights do not change (qexp/qat/fake_quant.py `quantized_once`).
+    `on_validation(history)` is called after each validation, the starting point's included (a tracked run logs the
+    curves so far: a long training can be watched in the UI). On return the student holds the best validated
+    weights."""
+    report = on_validation or (lambda history: None)
     run = _Training(student, teacher, forward, validation_ids, settings, checkpoint, step_context)
     start = run.resume()
+    report(run.history)
     started = time.time()
     bar = tqdm(range(start, settings.steps), desc="qat", unit="step", leave=False, initial=start,
                total=settings.steps)
     for step in bar:
         row = run.step(step, train_ids)
         bar.set_postfix(kd=f"{row['kd']:.4f}", ce=f"{row['ce']:.3f}")
-        if ((step + 1) % settings.eval_every == 0 or step + 1 == settings.steps) and run.validate_and_stop(row):
-            break
+        if (step + 1) % settings.eval_every == 0 or step + 1 == settings.steps:
+            stop = run.validate_and_stop(row)
+            report(run.history)
+            if stop:
+                break
     bar.close()
     history, best = run.history, run.best
     history.seconds = time.time() - started

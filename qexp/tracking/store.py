@@ -322,3 +322,16 @@ class Tracker:
     @staticmethod
     def file(local_path: str | Path, artifact_dir: Optional[str] = None) -> None:
         mlflow.log_artifact(str(local_path), artifact_dir)
+
+
+class CurveLog:
+    """Metric histories logged as they grow (a training's curves during the training): each call logs the
+    points past those an earlier call logged, so the finished curves are logged once, point by point."""
+
+    def __init__(self):
+        self.logged: Dict[str, int] = {}
+
+    def __call__(self, curves: Dict[str, list]) -> None:
+        new = {name: points[self.logged.get(name, 0):] for name, points in curves.items()}
+        Tracker.metric_history(new)
+        self.logged.update({name: len(points) for name, points in curves.items()})

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Type
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional, Type
 
 from omegaconf import OmegaConf
 
@@ -52,6 +52,9 @@ class TransformContext:
     # transform name -> what the run logs about it (QAT's loss curves, training text, metrics); kept with a cached
     # result, so a cache hit logs the same
     outputs: Dict[str, dict] = dataclasses.field(default_factory=dict)
+    # curves while a transform trains ({metric name: [(step, value), ...]} so far): a tracked run logs them as they
+    # come; None: nobody watches
+    progress: Optional[Callable[[Dict[str, list]], None]] = None
 
 
 @dataclass

@@ -184,8 +184,10 @@ class Qat(GridSearchTransform):
             return logits.reshape(seq_len, -1)[: len(ids)].float()
 
         checkpoint = context.cache.root / "qat-checkpoints" / f"{context.key}.pt" if context.key else None
+        progress = context.progress
         history = train(student.module, teacher.module, forward, train_ids, text.validation, settings, checkpoint,
-                        step_context=lambda grad: quantized_once(student.module, list(grids), grad))
+                        step_context=lambda grad: quantized_once(student.module, list(grids), grad),
+                        on_validation=None if progress is None else (lambda history: progress(_curves(history))))
         final_scales = detach(student.module, list(grids))
         params = dict(student.module.named_parameters())
         linears = set(weight_layers(shapes))
@@ -217,14 +219,18 @@ def _padded(train_ids: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([train_ids, train_ids[: n - len(train_ids)]])
 
 
+def _curves(history) -> dict:
+    """The loss curves by step: {metric name: [(step, value), ...]}."""
+    return {"qat_train_kd": [(r["step"], r["kd"]) for r in history.train],
+            "qat_train_ce": [(r["step"], r["ce"]) for r in history.train],
+            "qat_lr": [(r["step"], r["lr"]) for r in history.train],
+            "qat_val_kd": [(r["step"], r["kd"]) for r in history.validation],
+            "qat_val_ce": [(r["step"], r["ce"]) for r in history.validation]}
+
+
 def _outputs(history, text, settings, n_train: int) -> dict:
     """What the run logs about the training (also when the result comes from the cache): loss curves by step, the
     training text as a dataset, and summary metrics."""
-    curves = {"qat_train_kd": [(r["step"], r["kd"]) for r in history.train],
-              "qat_train_ce": [(r["step"], r["ce"]) for r in history.train],
-              "qat_lr": [(r["step"], r["lr"]) for r in history.train],
-              "qat_val_kd": [(r["step"], r["kd"]) for r in history.validation],
-              "qat_val_ce": [(r["step"], r["ce"]) for r in history.validation]}
     first, best = history.validation[0], next(r for r in history.validation if r["step"] == history.best_step)
     metrics = {"qat_steps": settings.steps, "qat_steps_trained": history.train[-1]["step"] if history.train else 0,
                "qat_train_tokens": text.train_tokens, "qat_best_step": history.best_step,
@@ -232,7 +238,7 @@ def _outputs(history, text, settings, n_train: int) -> dict:
                "qat_val_ce_start": first["ce"], "qat_val_ce_best": best["ce"],
                "qat_train_minutes": history.seconds / 60, "qat_resumed_from_step": history.resumed_from,
                "qat_trained_parameters": n_train}
-    return {"metric_history": curves, "metrics": metrics,
+    return {"metric_history": _curves(history), "metrics": metrics,
             "tags": {"qat_device": str(settings.device), "qat_stopped_early": str(history.stopped_early).lower()},
             "dataset": {"ids": torch.cat([text.train, text.validation]), "name": text.source,
                         "digest": text.sha256, "context": "training",
