@@ -152,17 +152,14 @@ def transform(state) -> None:
     preserves the function must leave the float perplexity unchanged: `ppl_fp_transformed` shows it."""
     from qexp.eval.perplexity import cached_evaluation, evaluate
     from qexp.models.static_llama import StaticLlama, window_logits
+    from qexp.tracking.store import CurveLog
     from qexp.transforms import TransformContext, algorithm_label, apply_transforms, build_transforms, model_transforms
 
     transforms = model_transforms(build_transforms(state.cfg.algorithm))
     if not transforms:
         state.deploy_model, state.static = state.model, state.fp_static
         return
-    curves = None
-    if state.tracked:  # curves are logged while a transform trains, and what is left of them once it has
-        from qexp.tracking.store import CurveLog
-
-        curves = CurveLog()
+    curves = CurveLog() if state.tracked else None  # logs a training's curves as it trains, the rest once done
     context = TransformContext(state.cfg, state.calibration, state.cache, state.timer, reference=state.model,
                                reference_static=state.fp_static, progress=curves)
     model = apply_transforms(state.model, transforms, context)
