@@ -115,8 +115,9 @@ def test_tracked_analysis_its_cache_and_a_recipe_a_run_uses(compose_sensitivity,
     from qexp.sensitivity.run import recipe_name, run_analysis
     from qexp.transforms.grid import grid_for
 
+    # its own cache: another test's identical analysis (the search sweep's) may have run in this worker first
     cfg = compose_sensitivity(SENS + [f"sensitivity.recipe_dir={tmp_path / 'quant'}", "sensitivity.budgets=[0.5]",
-                                      "sensitivity.bit_budgets=[5.0]"])
+                                      "sensitivity.bit_budgets=[5.0]", f"cache_dir={tmp_path / 'cache'}"])
     run_id, first, recipes = run_analysis(cfg)
     table = first.table
     assert len(table) == 2 * 7 + 2 and set(table["projection"]) >= {"q", "down", "lm_head", "embedding"}
