@@ -44,6 +44,14 @@ def test_the_program_rounds_the_trained_weights_as_training_did(compose, quant):
         scale = scale.reshape(ints.shape[0], -1)
         assert torch.allclose(ints * scale.repeat_interleave(ints.shape[1] // scale.shape[1], 1), expected,
                               rtol=0, atol=1e-6), key
+    # the trained weights come back on their grid (the student's weights, not the latent ones), so the quantize stage
+    # observes the activations of the model that trained
+    for key in layer_linears(0) + layer_linears(1):
+        grid = grid_for(state.cfg.quant, key)
+        weight = model.state_dict[key]
+        assert torch.allclose(grid.quantize(weight, model.weight_ranges[key] / grid.qmax), weight, rtol=0,
+                              atol=1e-7), key
+    assert 0 <= state.metrics["qat_latent_clamped_fraction"] < 1
     # validation starts at the PTQ weights and the kept weights are the best validated ones
     assert state.metrics["qat_val_kd_best"] <= state.metrics["qat_val_kd_start"]
 

@@ -148,8 +148,8 @@ def attach(module: nn.Module, grids: Dict[str, WeightGrid], initial_scales: Dict
 
 @torch.no_grad()
 def detach(module: nn.Module, paths) -> Dict[str, torch.Tensor]:
-    """Remove the fake quantizers, keeping the trained float weights (not rounded: the quantize stage rounds them onto
-    the same scales). Returns the final scales by path."""
+    """Remove the fake quantizers, keeping the trained latent float weights (qexp/transforms/qat.py rounds them onto
+    the final scales). Returns the final scales by path."""
     scales = {}
     for path in paths:
         conv = module.get_submodule(path)
