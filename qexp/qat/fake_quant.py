@@ -21,7 +21,7 @@ Activations are not fake-quantized while training: they are re-observed on the t
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -147,13 +147,21 @@ def attach(module: nn.Module, grids: Dict[str, WeightGrid], initial_scales: Dict
 
 
 @torch.no_grad()
-def detach(module: nn.Module, paths) -> Dict[str, torch.Tensor]:
-    """Remove the fake quantizers, keeping the trained latent float weights (qexp/transforms/qat.py rounds them onto
-    the final scales). Returns the final scales by path."""
-    scales = {}
+def detach(module: nn.Module, paths) -> Tuple[Dict[str, torch.Tensor], float]:
+    """Remove the fake quantizers, leaving each weight as the student used it: the latent weight rounded onto its
+    final scales. The quantize stage observes activation ranges on the model it is given, and the straight-through
+    gradient does not tie a latent weight to the value it rounds to (anywhere within its rounding step, or beyond the
+    grid's range): from on-grid weights (GPTQ's) the latent float model can be far from the student. Returns the final
+    scales by path and the fraction of the trained weights that lay beyond their grid's range."""
+    scales, outside, total = {}, 0, 0
     for path in paths:
         conv = module.get_submodule(path)
-        fake_quant = conv.parametrizations["weight"][0]
+        fake_quant, latent = conv.parametrizations["weight"][0], conv.parametrizations["weight"].original
         scales[path] = fake_quant.scales.detach().clamp(min=SCALE_EPS).clone()
-        parametrize.remove_parametrizations(conv, "weight", leave_parametrized=False)
-    return scales
+        if latent.requires_grad:
+            flat = latent.reshape(latent.shape[0], -1)
+            rounded = torch.round(flat / fake_quant.grid.expand(scales[path], flat.shape[1]))
+            outside += int((rounded.abs() > fake_quant.grid.qmax).sum())
+            total += flat.numel()
+        parametrize.remove_parametrizations(conv, "weight", leave_parametrized=True)
+    return scales, outside / max(total, 1)

@@ -55,7 +55,7 @@ class QatConfig(TransformConfig):
 class Qat(GridSearchTransform):
     name = "qat"
     # 2: the weights fake-quantized once per optimizer step (gradients summed before the rounding's); 3: the trained
-    # weights written back rounded onto their grid (_round_trained)
+    # weights written back rounded onto their grid (fake_quant.detach)
     version = 3
     config_class = QatConfig
     sets_weight_ranges = True  # the scales it trained against, exactly
@@ -190,11 +190,10 @@ class Qat(GridSearchTransform):
         history = train(student.module, teacher.module, forward, train_ids, text.validation, settings, checkpoint,
                         step_context=lambda grad: quantized_once(student.module, list(grids), grad),
                         on_validation=None if progress is None else (lambda history: progress(_curves(history))))
-        final_scales = detach(student.module, list(grids))
+        final_scales, clamped = detach(student.module, list(grids))
         params = dict(student.module.named_parameters())
         linears = set(weight_layers(shapes))
         state, ranges = dict(model.state_dict), dict(model.weight_ranges)
-        clamped = _round_trained(params, grids, final_scales)
         for key in model.state_dict:  # the trained tensors back in Meta layout; frozen ones stay the input's
             name = f"{static_module_path(key)}.weight" if key in linears else key
             if name in params and params[name].requires_grad:
@@ -207,26 +206,6 @@ class Qat(GridSearchTransform):
         if checkpoint is not None:
             checkpoint.unlink(missing_ok=True)
         return dataclasses.replace(model, state_dict=state, weight_ranges=ranges)
-
-
-@torch.no_grad()
-def _round_trained(params, grids, scales) -> float:
-    """Round the trained latent weights onto their grids in place: the weights the student trained with, so the
-    quantize stage observes the activations of the model that trained. (It would round the latent weights onto the
-    same scales, but observe the activations of the latent float model, which the straight-through gradient does not
-    constrain within a rounding step or beyond the range: after training from on-grid weights, GPTQ's, it can be far
-    from the student.) Returns the fraction of the trained weights that lay beyond their grid's range."""
-    outside, total = 0, 0
-    for path, grid in grids.items():
-        weight = params[f"{path}.weight"]
-        if not weight.requires_grad:  # frozen: written back as the input's
-            continue
-        flat = weight.reshape(weight.shape[0], -1)
-        s = grid.expand(scales[path].to(flat.dtype), flat.shape[1])
-        outside += int((torch.round(flat / s).abs() > grid.qmax).sum())
-        total += flat.numel()
-        weight.copy_(grid.quantize(flat, scales[path].to(flat.dtype)).reshape(weight.shape))
-    return outside / max(total, 1)
 
 
 def _has_block_grid(quant) -> bool:
