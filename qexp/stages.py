@@ -107,7 +107,7 @@ def fp(state) -> None:
 
 
 def calibration(state) -> None:
-    from qexp.data.calibration import build_calibration, check_disjoint
+    from qexp.data.calibration import build_calibration, check_disjoint, check_rows_disjoint
     from qexp.data.text import calibration_corpus
     from qexp.transforms import build_transforms
 
@@ -121,6 +121,12 @@ def calibration(state) -> None:
         state.calibration = build_calibration(cfg.calibration, corpus, model.tokenizer, model.add_bos,
                                               cfg.export.max_context_len)
         check_disjoint(state.calibration, state.windows)  # also across texts: no shared token run with the windows
+        for transform in build_transforms(cfg.algorithm):  # what an algorithm trains on, checked the same way
+            fitted = transform.fitted_rows(cfg, model, state.cache)
+            if fitted is not None:
+                check_rows_disjoint(fitted[0], state.windows, fitted[1],
+                                    "score fewer windows (eval.limit) or train on another text's calibration half "
+                                    "(calibration.text)")
     calibration = state.calibration
     state.tags["calibration_sha256"] = calibration.sha256
     state.metrics["calibration_tokens"] = calibration.n_tokens

@@ -150,6 +150,34 @@ def test_a_token_budget_beyond_the_calibration_half_is_refused(compose):
         prepare(compose(QAT + ["algorithm.qat.tokens=100000000"]), through="transform")
 
 
+def test_a_training_text_sharing_a_run_with_the_windows_is_refused(compose, monkeypatch):
+    """The halves share no document, but a text can repeat a passage across documents: the calibration stage checks
+    QAT's training and validation sequences against the windows as it checks calibration samples, and refuses one
+    that shares a 24-token run."""
+    import dataclasses
+
+    import numpy as np
+
+    from qexp.data import calibration as calibration_module
+    from qexp.transforms import build_transforms
+
+    checked = []
+    real = calibration_module.check_rows_disjoint
+
+    def spy(rows, windows, what, fix, *args):
+        checked.append((len(rows), what))
+        return real(rows, windows, what, fix, *args)
+
+    monkeypatch.setattr(calibration_module, "check_rows_disjoint", spy)
+    cfg = compose(QAT)
+    state = prepare(cfg, through="calibration")  # the tiny run's training text is disjoint from its windows
+    rows, what = build_transforms(cfg.algorithm)[0].fitted_rows(cfg, state.model, state.cache)
+    assert checked[1:] == [(len(rows), what)] and "QAT's training sequence {index}" in what  # after the samples' check
+    leaked = dataclasses.replace(state.windows, ids=np.concatenate([state.windows.ids, rows[3][None]]))
+    with pytest.raises(ConfigError, match="QAT's training sequence 3 .* shares a 24-token run"):
+        real(rows, leaked, what, "fix")
+
+
 def test_the_training_text_decides_the_cache_key_not_the_scored_text(compose):
     """A model trained on wikitext's calibration half and scored on news is the one a wikitext run trained (the
     domain check reuses it); training on news is another model."""

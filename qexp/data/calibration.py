@@ -126,27 +126,31 @@ def _read_chats(path: str) -> list:
 
 def check_disjoint(calibration: CalibrationSet, windows: Windows, n: int = OVERLAP_NGRAM) -> None:
     """Fail if any calibration sample shares an n-token run with the evaluation windows."""
+    check_rows_disjoint(calibration.samples, windows, "calibration sample {index} (" + calibration.description + ")",
+                        "calibrate on text disjoint from the evaluation text", n)
+
+
+def check_rows_disjoint(rows, windows: Windows, what: str, fix: str, n: int = OVERLAP_NGRAM) -> None:
+    """Fail if any of `rows` (token id sequences a run fits to: calibration samples, QAT's training text) shares an
+    n-token run with the evaluation windows. `what` names the offending row, with `{index}` for its position. The
+    two halves of a text share no document, but a text can repeat a passage across documents."""
     eval_grams = set()
     for row in windows.ids:
         row = row[windows.first_target :]
         for i in range(0, len(row) - n + 1):
             eval_grams.add(row[i : i + n].tobytes())
-    for index, sample in enumerate(calibration.samples):
+    for index, sample in enumerate(rows):
         arr = np.asarray(sample, dtype=np.int64)
+        name = what.replace("{index}", str(index))
         size = min(n, len(arr))
         for i in range(0, len(arr) - size + 1):
             gram = arr[i : i + size]
             if size < n:  # a short sample: look for it inside the windows directly
                 if any(_contains(row, gram) for row in windows.ids):
-                    raise ConfigError(f"calibration sample {index} occurs verbatim in the evaluation windows",
-                                      "calibrate on text disjoint from the evaluation text")
+                    raise ConfigError(f"{name} occurs verbatim in the evaluation windows", fix)
                 break
             if gram.tobytes() in eval_grams:
-                raise ConfigError(
-                    f"calibration sample {index} shares a {n}-token run with the evaluation windows "
-                    f"({calibration.description})",
-                    "calibrate on text disjoint from the evaluation text",
-                )
+                raise ConfigError(f"{name} shares a {n}-token run with the evaluation windows", fix)
 
 
 def _contains(row: np.ndarray, gram: np.ndarray) -> bool:

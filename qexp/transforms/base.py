@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional, Type
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional, Tuple, Type
 
 from omegaconf import OmegaConf
 
@@ -87,6 +87,12 @@ class ModelTransform:
         """What of the run's config besides this transform's settings decides its output (the weight grid it
         searches against, for AWQ / GPTQ); part of its fingerprint."""
         return {}
+
+    def fitted_rows(self, cfg, model: "LoadedModel", cache) -> Optional[Tuple[List[Any], str]]:
+        """Token sequences this algorithm fits the model to besides the calibration samples (QAT's training text),
+        and what to call one in an error (with `{index}`), so the run can check them against its evaluation windows
+        before any work; None when it fits to nothing else."""
+        return None
 
     def fingerprint(self) -> Dict[str, Any]:
         """What determines this transform's output besides the input model (its settings; the calibration data's hash

@@ -129,20 +129,30 @@ class Qat(GridSearchTransform):
         fingerprint["config"].pop("device", None)  # where it trains enters through grid_dependency, resolved
         return fingerprint
 
-    def apply(self, model, context):
+    def training_text(self, cfg, model, cache):
+        """The sequences it trains and validates on: the calibration half of the training text."""
         from qexp.data.text import calibration_corpus, load_corpus
-        from qexp.models.static_llama import StaticLlama
         from qexp.qat.data import training_text
+
+        c = self.config
+        corpus = calibration_corpus(cfg.text, cfg.calibration.get("text"), load_corpus(cfg.text, cache), cache)
+        return training_text(corpus.joined("calibration"), f"{corpus.source}:calibration", model.tokenizer,
+                             model.add_bos, self.seq_len(cfg), c.tokens, c.validation_sequences, c.seed)
+
+    def fitted_rows(self, cfg, model, cache):
+        text = self.training_text(cfg, model, cache)
+        rows = list(text.train.numpy()) + list(text.validation.numpy())
+        return rows, f"QAT's training sequence {{index}} (of {text.source}; training first, then validation)"
+
+    def apply(self, model, context):
+        from qexp.models.static_llama import StaticLlama
         from qexp.qat.fake_quant import attach, detach, quantized_once
         from qexp.qat.loop import LoopSettings, train
         from qexp.transforms.capture import private_static
 
         cfg, c = context.cfg, self.config
         seq_len = self.seq_len(cfg)
-        corpus = calibration_corpus(cfg.text, cfg.calibration.get("text"), load_corpus(cfg.text, context.cache),
-                                    context.cache)
-        text = training_text(corpus.joined("calibration"), f"{corpus.source}:calibration", model.tokenizer,
-                             model.add_bos, seq_len, c.tokens, c.validation_sequences, c.seed)
+        text = self.training_text(cfg, model, context.cache)
         student = private_static(model, seq_len, cfg.model)
         teacher = context.reference_static  # the FP phase's static llama: one float copy less in memory
         if teacher is None or teacher.ar_len != seq_len or context.reference is None:
