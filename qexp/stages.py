@@ -75,8 +75,7 @@ def text(state) -> None:
     })
     state.log_params({
         "eval.text_source": corpus.source,
-        "eval.window_len": windows.seq_len,
-        "eval.n_windows": windows.n_windows,
+        "eval.window_len": windows.seq_len, "eval.n_windows": windows.n_windows,
         "eval.predicted_tokens": windows.n_predicted,
         "text.test_chars": corpus.n_chars["test"],
         "text.calibration_chars": corpus.n_chars["calibration"],
@@ -107,9 +106,9 @@ def fp(state) -> None:
 
 
 def calibration(state) -> None:
-    from qexp.data.calibration import build_calibration, check_disjoint, check_rows_disjoint
+    from qexp.data.calibration import build_calibration, check_disjoint
     from qexp.data.text import calibration_corpus
-    from qexp.transforms import build_transforms
+    from qexp.transforms import build_transforms, check_fitted_disjoint
 
     needed = state.quantized or any(t.needs_calibration for t in build_transforms(state.cfg.algorithm))
     if not needed:
@@ -121,12 +120,7 @@ def calibration(state) -> None:
         state.calibration = build_calibration(cfg.calibration, corpus, model.tokenizer, model.add_bos,
                                               cfg.export.max_context_len)
         check_disjoint(state.calibration, state.windows)  # also across texts: no shared token run with the windows
-        for transform in build_transforms(cfg.algorithm):  # what an algorithm trains on, checked the same way
-            fitted = transform.fitted_rows(cfg, model, state.cache)
-            if fitted is not None:
-                check_rows_disjoint(fitted[0], state.windows, fitted[1],
-                                    "score fewer windows (eval.limit) or train on another text's calibration half "
-                                    "(calibration.text)")
+        check_fitted_disjoint(build_transforms(cfg.algorithm), cfg, model, state.cache, state.windows)  # QAT's text
     calibration = state.calibration
     state.tags["calibration_sha256"] = calibration.sha256
     state.metrics["calibration_tokens"] = calibration.n_tokens

@@ -10,6 +10,7 @@ from qexp.transforms.base import (
     apply_transforms,
     build_transforms,
     calibration_algorithms,
+    check_fitted_disjoint,
     model_transforms,
     register_transform,
     validate_transforms,
@@ -21,4 +22,4 @@ from qexp.quant import seq_mse  # noqa: E402,F401
 
 __all__ = ["TRANSFORMS", "CalibrationAlgorithm", "calibration_algorithms", "model_transforms",
            "validate_transforms", "ModelTransform", "TransformConfig", "TransformContext", "algorithm_label",
-           "apply_transforms", "build_transforms", "register_transform"]
+           "apply_transforms", "build_transforms", "check_fitted_disjoint", "register_transform"]

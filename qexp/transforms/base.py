@@ -186,6 +186,18 @@ def build_transforms(algorithm_cfg) -> List[ModelTransform]:
     return transforms
 
 
+def check_fitted_disjoint(transforms: List[ModelTransform], cfg, model: "LoadedModel", cache, windows) -> None:
+    """What the algorithms fit the model to besides the calibration samples (QAT's training text) shares no long
+    token run with the evaluation windows, checked as calibration samples are, before any of them runs."""
+    from qexp.data.calibration import check_rows_disjoint
+
+    for transform in transforms:
+        fitted = transform.fitted_rows(cfg, model, cache)
+        if fitted is not None:
+            check_rows_disjoint(fitted[0], windows, fitted[1], "score fewer windows (eval.limit) or train on another "
+                                "text's calibration half (calibration.text)")
+
+
 def validate_transforms(cfg) -> List[ModelTransform]:
     transforms = build_transforms(cfg.algorithm)
     for transform in transforms:
