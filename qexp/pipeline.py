@@ -1,6 +1,9 @@
 """The experiment, as an ordered list of stages:
 
-    load -> text / windows -> FP phase -> calibration data -> transforms -> quantize -> QDQ phase -> tasks -> backend
+    load -> text / windows -> calibration data -> FP phase -> transforms -> quantize -> QDQ phase -> tasks -> backend
+
+The calibration data come before the FP phase because building them checks every text a run fits (calibration
+samples, QAT's training sequences) against the evaluation windows: a leaking run is refused before any scoring.
 
 Each stage is a function of a `RunState` that reads what earlier stages produced and adds its own; the work itself
 lives in the stage's module (qexp/models, data, transforms, quant, eval, backends). `run_experiment` wraps the
@@ -34,7 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qexp")
 
-STAGES = ("load", "text", "fp", "calibration", "transform", "qdq", "tasks", "deploy")
+STAGES = ("load", "text", "calibration", "fp", "transform", "qdq", "tasks", "deploy")
 
 
 @dataclass

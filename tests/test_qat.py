@@ -153,7 +153,7 @@ def test_a_token_budget_beyond_the_calibration_half_is_refused(compose):
 def test_a_training_text_sharing_a_run_with_the_windows_is_refused(compose, monkeypatch):
     """The halves share no document, but a text can repeat a passage across documents: the calibration stage checks
     QAT's training and validation sequences against the windows as it checks calibration samples, and refuses one
-    that shares a 24-token run."""
+    that shares a 24-token run, before the FP phase scores anything."""
     import dataclasses
 
     import numpy as np
@@ -171,6 +171,7 @@ def test_a_training_text_sharing_a_run_with_the_windows_is_refused(compose, monk
     monkeypatch.setattr(calibration_module, "check_rows_disjoint", spy)
     cfg = compose(QAT)
     state = prepare(cfg, through="calibration")  # the tiny run's training text is disjoint from its windows
+    assert state.fp is None  # nothing scored yet: a leaking run is refused before its first phase
     rows, what = build_transforms(cfg.algorithm)[0].fitted_rows(cfg, state.model, state.cache)
     assert checked[1:] == [(len(rows), what)] and "QAT's training sequence {index}" in what  # after the samples' check
     leaked = dataclasses.replace(state.windows, ids=np.concatenate([state.windows.ids, rows[3][None]]))
