@@ -110,8 +110,8 @@ def calibration(state) -> None:
     from qexp.data.text import calibration_corpus
     from qexp.transforms import build_transforms, check_fitted_disjoint
 
-    needed = state.quantized or any(t.needs_calibration for t in build_transforms(state.cfg.algorithm))
-    if not needed:
+    transforms = build_transforms(state.cfg.algorithm)
+    if not (state.quantized or any(t.needs_calibration for t in transforms)):
         return
     cfg, model = state.cfg, state.model
     with state.timer.stage("calibration_data"):
@@ -120,7 +120,7 @@ def calibration(state) -> None:
         state.calibration = build_calibration(cfg.calibration, corpus, model.tokenizer, model.add_bos,
                                               cfg.export.max_context_len)
         check_disjoint(state.calibration, state.windows)  # also across texts: no shared token run with the windows
-        check_fitted_disjoint(build_transforms(cfg.algorithm), cfg, model, state.cache, state.windows)  # QAT's text
+        check_fitted_disjoint(transforms, cfg, model, state.cache, state.windows)  # QAT's text
     calibration = state.calibration
     state.tags["calibration_sha256"] = calibration.sha256
     state.metrics["calibration_tokens"] = calibration.n_tokens
