@@ -95,6 +95,9 @@ class TinyModelSpec:
     # attention head size (null = dim // n_heads). Defaults are left out of the tiny model's cache key.
     family: str = "llama"
     head_dim: Optional[int] = None
+    # A released config.json in qexp/models/released/ (llama3_2_1b, qwen3_0_6b, ...), every key as released; the
+    # fields above then state its shape (n_layers may be fewer: its first layers). Null: the family's small config.
+    config: Optional[str] = None
 
 
 @dataclass
@@ -320,15 +323,14 @@ class QexpConfig:
     text: TextConfig = field(default_factory=TextConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
-    # One of the registered backends (qexp/backends); its own dataclass is the schema of conf/backend/<name>.yaml.
-    backend: Any = MISSING
+    backend: Any = MISSING  # a registered backend's dataclass (qexp/backends): the schema of conf/backend/<name>.yaml
     # Model transforms (quantization algorithms) applied to the float model before quantization, in order:
     # `algorithm=[a,b]` selects conf/algorithm/a.yaml and b.yaml, each a `<name>: {settings}` entry (qexp/transforms).
     algorithm: Dict[str, Any] = field(default_factory=dict)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    # Where derived artifacts (dequantized models, calibrated programs) are cached, content-addressed.
-    cache_dir: str = MISSING
+    cache_dir: str = MISSING  # where derived artifacts (dequantized models, calibrated programs) are cached
     cache: CacheConfig = field(default_factory=CacheConfig)
+    device: str = "auto"  # where the torch phases run (qexp/device.py): auto (CUDA if torch sees one), cpu, cuda
     # Show native libraries' output (QNN compile progress, runtime INFO lines) live instead of only in native.log.
     verbose: bool = False
     # The sensitivity analysis' settings (SensitivityConfig): set by conf/sensitivity.yaml, the config of

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from qexp.backends import Backend, QdqPhase, get_backend
 from qexp.cache import Cache, check_cache_dir, stable_hash
 from qexp.config import NO_QUANT, QDQ_ONLY_SCHEMES
+from qexp.device import device_tags
 from qexp.errors import ConfigError
 from qexp.provenance import config_hash, environment_tags, pin_cpu_numerics
 from qexp.timing import StageTimer, peak_rss_mb
@@ -73,8 +74,13 @@ class RunState:
     qdq: Optional[QdqPhase] = None
     task_results: List[Any] = field(default_factory=list)  # the CPU phases' TaskResults (the deployed one pairs them)
 
+    device: Any = None  # torch.device of the torch phases (qexp/device.py), resolved from cfg.device
+
     def __post_init__(self):
+        from qexp.device import run_device
+
         self.cache = self.cache or Cache(self.cfg.cache_dir, self.cfg.cache.lock_timeout_s)
+        self.device = self.device or run_device(self.cfg)
 
     def log_params(self, params: Dict[str, Any]) -> None:
         if self.tracked:
@@ -104,11 +110,13 @@ class RunState:
 def validate(cfg: DictConfig) -> Backend:
     """Reject a bad config before any model is loaded; returns the run's backend."""
     from qexp.data.text import check_texts
+    from qexp.device import check_device
     from qexp.models.static_llama import arch_flags
     from qexp.models.shapes import linear_shapes
     from qexp.quant.recipe import check_block_sizes, check_overrides_match, uses_blocks, validate_recipe
     from qexp.transforms import validate_transforms
 
+    check_device(cfg.get("device", "cpu"))  # first: device=cuda on a host without one is one line, before any work
     backend = get_backend(cfg.backend.name)
     arch_flags(cfg.model.arch)
     validate_recipe(cfg.quant, cfg.observer)
@@ -269,7 +277,7 @@ def execute(state: RunState) -> ExperimentResult:
     """Every stage in order -> the run's metrics and tags."""
     from qexp.stages import STAGE_FUNCTIONS
 
-    state.tags.update(pin_cpu_numerics())
+    state.tags.update({**pin_cpu_numerics(), **device_tags(state.device)})
     for name in STAGES:
         STAGE_FUNCTIONS[name](state)
     state.log_text(pd.DataFrame(state.per_window).to_csv(index=False), "eval/per_window.csv")
@@ -287,7 +295,7 @@ def prepare(cfg: DictConfig, through: str = "qdq") -> RunState:
     if through not in STAGES:
         raise ValueError(f"unknown stage {through!r}; stages: {', '.join(STAGES)}")
     state = RunState(cfg, validate(cfg))
-    state.tags.update(pin_cpu_numerics())
+    state.tags.update({**pin_cpu_numerics(), **device_tags(state.device)})
     for name in STAGES[: STAGES.index(through) + 1]:
         STAGE_FUNCTIONS[name](state)
     return state

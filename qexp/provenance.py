@@ -32,7 +32,8 @@ LATER_DEFAULTS = {("quant", "weight_range"): "narrow", ("eval", "htp_exact"): Fa
                   ("model", "masked_softmax"): None, ("algorithm", "weight_clip", "objective"): "weights",
                   ("sensitivity",): None, ("search",): None, ("eval", "tasks"): [], ("eval", "task_paths"): [],
                   ("eval", "task_limit"): None,
-                  ("sensitivity", "low_weights"): "rtn", ("algorithm", "qat", "scale_lr"): None}
+                  ("sensitivity", "low_weights"): "rtn", ("algorithm", "qat", "scale_lr"): None,
+                  ("model", "tiny", "config"): None}
 
 
 def without_later_defaults(container: dict, prefix: tuple = ()) -> dict:
@@ -56,7 +57,21 @@ def config_hash(cfg: DictConfig) -> str:
     container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     for volatile in ("tracking", "cache_dir", "cache", "verbose"):
         container.pop(volatile, None)
+    # where the torch phases run, resolved (auto is CUDA on one host and the CPU on another); the CPU's is left
+    # out, which keeps the hashes of every run from before the setting
+    container.pop("device", None)
+    container.update(_resolved_device(cfg))
     return stable_hash(without_later_defaults(container), length=16)
+
+
+def _resolved_device(cfg: DictConfig) -> Dict[str, str]:
+    import torch
+
+    wanted = cfg.get("device", "cpu")
+    if wanted == "auto":
+        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    # an unknown device, or cuda without one, is refused by validate(), inside the run this hash names
+    return {} if wanted == "cpu" else {"device": str(wanted)}
 
 
 @functools.lru_cache(maxsize=1)
@@ -156,8 +171,15 @@ def fp_eval_key(cfg: DictConfig, model, static, windows, keep_logits: int) -> st
     extra = {"masked_softmax": True} if static.masked_softmax else {}  # keeps earlier keys valid
     return stable_hash({**extra, "model": model.fingerprint, "arch": cfg.model.arch, "r3": static.r3,
                         "context": cfg.export.max_context_len, "windows": windows.sha256,
-                        "keep_logits": keep_logits, "numerics": numerics_key(), "versions": library_versions()},
-                       length=24)
+                        "keep_logits": keep_logits, "numerics": numerics_key(), "versions": library_versions(),
+                        **_device_key(cfg)}, length=24)
+
+
+def _device_key(cfg: DictConfig) -> Dict[str, str]:
+    """Where a cached evaluation ran: nothing for the CPU (earlier keys stay valid), the GPU for CUDA."""
+    from qexp.device import device_key, run_device
+
+    return device_key(run_device(cfg))
 
 
 def fp_task_key(cfg: DictConfig, model, static, suite_key: str) -> str:

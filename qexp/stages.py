@@ -9,6 +9,7 @@ import os
 import numpy as np
 
 from qexp.backends import PhaseInputs, QdqPhase
+from qexp.device import on_device
 from qexp.errors import InputError
 from qexp.eval.compare import compare, phase_metrics
 from qexp.provenance import fp_eval_key, library_versions, qdq_cache_key
@@ -42,6 +43,15 @@ def load(state) -> None:
                        "r3": str(state.fp_static.r3), "masked_softmax": str(state.fp_static.masked_softmax)})
     state.metrics["model_params"] = model.n_params
     state.metrics["weights_mb"] = weights_megabytes(state.fp_static.module)  # fp32; the QDQ phase replaces it
+
+
+def scored(state, module, static, desc: str, keep_logits: int = 0):
+    """The run's windows through `module` (a float static llama or a QDQ program) on the run's device."""
+    from qexp.eval.perplexity import evaluate
+    from qexp.models.static_llama import window_logits
+
+    return on_device(state.device, module, lambda placed: evaluate(
+        lambda ids: window_logits(placed, static, ids, state.device), state.windows, desc, keep_logits=keep_logits))
 
 
 def _check_token_ids(ids, model) -> None:
@@ -87,15 +97,14 @@ def text(state) -> None:
 
 
 def fp(state) -> None:
-    from qexp.eval.perplexity import cached_evaluation, evaluate
-    from qexp.models.static_llama import window_logits
+    from qexp.eval.perplexity import cached_evaluation
 
     static, windows = state.fp_static, state.windows
     with state.timer.stage("eval_fp"):
         # Shared by every run of this model on these windows (a sweep evaluates FP once).
         key = fp_eval_key(state.cfg, state.model, static, windows, SQNR_WINDOWS)
-        result, hit = cached_evaluation(state.cache, key, windows, lambda: evaluate(
-            lambda ids: window_logits(static.module, static, ids), windows, "FP", keep_logits=SQNR_WINDOWS))
+        result, hit = cached_evaluation(state.cache, key, windows,
+                                        lambda: scored(state, static.module, static, "FP", SQNR_WINDOWS))
     state.fp = result
     state.tags["fp_eval_cache_hit"] = str(hit).lower()
     state.metrics.update(phase_metrics(result, "fp"))
@@ -150,8 +159,8 @@ def _calibration_dataset(cfg, corpus) -> tuple:
 def transform(state) -> None:
     """Apply the `algorithm` transforms to the float model; every later stage uses the result. A transform that
     preserves the function must leave the float perplexity unchanged: `ppl_fp_transformed` shows it."""
-    from qexp.eval.perplexity import cached_evaluation, evaluate
-    from qexp.models.static_llama import StaticLlama, window_logits
+    from qexp.eval.perplexity import cached_evaluation
+    from qexp.models.static_llama import StaticLlama
     from qexp.tracking.store import CurveLog
     from qexp.transforms import TransformContext, algorithm_label, apply_transforms, build_transforms, model_transforms
 
@@ -168,11 +177,10 @@ def transform(state) -> None:
     state.tags.update({f"transform_cache_hit.{name}": str(hit).lower() for name, hit in context.cache_hits.items()})
     static = StaticLlama.for_model_config(model, state.cfg.export.max_context_len, state.cfg.model)
     with state.timer.stage("eval_fp_transformed"):
-        # the transformed model's fingerprint covers every transform's settings, calibration data and grid: a sweep
-        # over schemes (or a rerun with another backend) evaluates it once
+        # its fingerprint covers every transform's settings, calibration and grid: a sweep over schemes scores it once
         key = fp_eval_key(state.cfg, model, static, state.windows, 0)
-        result, hit = cached_evaluation(state.cache, key, state.windows, lambda: evaluate(
-            lambda ids: window_logits(static.module, static, ids), state.windows, "FP transformed"))
+        result, hit = cached_evaluation(state.cache, key, state.windows,
+                                        lambda: scored(state, static.module, static, "FP transformed"))
     state.tags["fp_transformed_eval_cache_hit"] = str(hit).lower()
     state.deploy_model, state.static = model, static
     state.metrics.update({"ppl_fp_transformed": result.metrics()["ppl"],
@@ -196,8 +204,6 @@ def _log_transform_outputs(state, outputs: dict, curves) -> None:
 
 
 def qdq(state) -> None:
-    from qexp.eval.perplexity import evaluate
-    from qexp.models.static_llama import window_logits
     from qexp.quant.calibrate import quantize
     from qexp.quant.encodings import encodings_table, summarize_encodings, weights_megabytes
     from qexp.quant.fold import with_weights_dequantized
@@ -228,15 +234,11 @@ def qdq(state) -> None:
         if lowering is not None:
             log.info("QDQ arithmetic htp_exact (4-bit per-channel lowering %s): %s", lowering,
                      folded.htp_counts.describe())
-            state.metrics["htp_exact_layers"] = folded.htp_counts.modelled
-            state.metrics["htp_exact_norms"] = folded.htp_counts.norms
-            state.metrics["htp_exact_softmaxes"] = folded.htp_counts.softmaxes
-            state.metrics["htp_exact_sigmoids"] = folded.htp_counts.sigmoids
-            state.metrics["htp_exact_gelus"] = folded.htp_counts.gelus
+            counts = folded.htp_counts
+            state.metrics.update({"htp_exact_layers": counts.modelled, **{
+                f"htp_exact_{name}": getattr(counts, name) for name in ("norms", "softmaxes", "sigmoids", "gelus")}})
             state.tags["htp_exact_model"] = MODELLED_OPS  # runs before norms were modelled have no such tag
-        # F821 false positive: ruff sees the `del folded` below; evaluate() calls the lambda before it
-        result = evaluate(lambda ids: window_logits(folded, static, ids), state.windows, "QDQ",  # noqa: F821
-                          keep_logits=SQNR_WINDOWS)
+        result = scored(state, folded, static, "QDQ", SQNR_WINDOWS)
         del folded
     state.qdq = QdqPhase(program, result, static, static.r3)
     metrics = state.metrics
@@ -273,8 +275,7 @@ def deploy(state) -> None:
         return
     from qexp.tracking.runlog import native_output_captured
 
-    # The FP and QDQ phases' float programs are not read again (their results are): free them before the backend's
-    # memory peak, the compile.
+    # The FP and QDQ float programs are not read again (their results are): freed before the compile's memory peak
     state.fp_static = state.static = None
     if state.qdq is not None:
         state.qdq.release_programs()
@@ -316,8 +317,7 @@ def _score_deployed(state, deployed) -> None:
         metrics.update(compare(deployed, qdq_sub, "deployed", "qdq"))
     metrics.update({"deployed_eval_tokens": subset.n_predicted, "deployed_eval_windows": subset.n_windows})
     if subset.ids.shape[1] == windows.ids.shape[1] and np.array_equal(subset.ids, windows.ids[:subset.n_windows]):
-        # whole windows (the first n): logged per window, NaN after them, so a report pairs two runs' deployed
-        # phases window by window; a budget below one window (part of window 0) has no per-window figure
+        # whole windows (the first n): per window, NaN after them, so a report pairs two runs' deployed phases
         ll = np.full(windows.n_windows, np.nan)
         ll[:subset.n_windows] = deployed.logprobs.sum(axis=1)
         state.per_window["ll_deployed"] = ll

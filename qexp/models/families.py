@@ -78,7 +78,19 @@ def family_for_gguf_architecture(architecture: str) -> Optional[Family]:
 
 
 # ---------------------------------------------------------------- Llama (Llama 2/3.x, SmolLM2, ...)
-def llama_params(c: dict) -> dict:
+# config.json keys the Llama converter reads beyond the neutral ones (qexp/models/hf_config.py), each at the values
+# `llama_params` checks
+LLAMA_KEYS = ("attention_bias", "mlp_bias", "hidden_act", "pretraining_tp")
+
+
+def llama_params(c: dict, family: str = "llama", understood: tuple = LLAMA_KEYS) -> dict:
+    """HF LlamaConfig -> Meta params. Every key is understood or refused (`understood`: the caller family's keys)."""
+    from qexp.models.hf_config import check_keys, llama3_rope_params, require
+
+    check_keys(c, family, understood)
+    require(c, family, "mlp_bias", (False,), "the static llama's MLP has no biases")
+    require(c, family, "hidden_act", ("silu",), "the static llama's MLP is SwiGLU (hidden_act silu)")
+    require(c, family, "pretraining_tp", (1,), "transformers computes pretraining_tp > 1 as 1; re-save with 1")
     n_heads = c["num_attention_heads"]
     params = {
         "dim": c["hidden_size"],
@@ -89,7 +101,7 @@ def llama_params(c: dict) -> dict:
         "hidden_dim": c["intermediate_size"],
         "norm_eps": c.get("rms_norm_eps", 1e-5),
         "rope_theta": float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-        "use_scaled_rope": False,
+        **llama3_rope_params(c, family),  # Llama 3.1/3.2's scaled RoPE (rope_type llama3), else plain
         "use_hf_rope": False,
         "attention_qkv_bias": bool(c.get("attention_bias", False)),
     }

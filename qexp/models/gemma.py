@@ -34,8 +34,22 @@ def _rope_thetas(c: dict) -> tuple:
     return float(full), float(local)
 
 
+# config.json keys the Gemma 3 converter reads beyond the neutral ones (qexp/models/hf_config.py), each at the values
+# `gemma3_params` checks
+GEMMA3_KEYS = ("attention_bias", "attn_logit_softcapping", "final_logit_softcapping", "hidden_activation",
+               "query_pre_attn_scalar", "use_bidirectional_attention", "layer_types", "sliding_window",
+               "sliding_window_pattern", "_sliding_window_pattern", "rope_local_base_freq")
+
+
 def gemma3_params(c: dict) -> dict:
     """HF Gemma3TextConfig -> upstream ModelArgs fields (those of its gemma3/config/1b_config.json)."""
+    from qexp.models.hf_config import check_keys, require
+
+    check_keys(c, "gemma3", GEMMA3_KEYS)
+    require(c, "gemma3", "attention_bias", (False,), "the static llama's Gemma attention has no biases")
+    if c.get("rope_scaling"):
+        raise InputError(f"gemma3: RoPE scaling {c['rope_scaling']} is not supported",
+                         "qexp supports plain RoPE only (the 270m and 1b text models have it)")
     head_dim = c.get("head_dim", 256)
     unsupported = {
         "attn_logit_softcapping": c.get("attn_logit_softcapping"),

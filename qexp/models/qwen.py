@@ -13,21 +13,31 @@ from qexp.errors import InputError
 from qexp.models.families import Family, StateDict, llama_params, register_family
 
 
+# config.json keys the Qwen converters read beyond the neutral ones (qexp/models/hf_config.py); sliding-window keys
+# are understood as long as use_sliding_window is off (every released Qwen2.5 / Qwen3 text model), whatever their
+# window and layer count
+QWEN_KEYS = ("hidden_act", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types", "use_mrope")
+
+
 def _check_supported(c: dict, family: str) -> None:
     """Refuse what the static llama cannot express (one line each)."""
+    from qexp.models.hf_config import require, rope_scaling
+
     sliding = c.get("use_sliding_window") or "sliding_attention" in (c.get("layer_types") or [])
     if sliding:
         raise InputError(f"{family}: sliding-window attention (use_sliding_window / layer_types) is not supported",
                          "qexp's static llama runs full attention; use a checkpoint with use_sliding_window=false")
-    scaling = c.get("rope_scaling") or {}
-    rope_type = scaling.get("rope_type") or scaling.get("type") or (c.get("rope_parameters") or {}).get("rope_type")
-    if rope_type not in (None, "default"):
-        raise InputError(f"{family}: RoPE scaling {rope_type!r} is not supported", "qexp supports plain RoPE only")
+    require(c, family, "use_mrope", (False,), "multimodal RoPE (Qwen2-VL) is not a text decoder qexp converts")
+    scaling = rope_scaling(c)
+    if scaling is not None:  # upstream's HF RoPE table (use_hf_rope) has no scaling at all
+        raise InputError(f"{family}: RoPE scaling {scaling['rope_type']!r} is not supported",
+                         "ExecuTorch's static llama computes Qwen's RoPE unscaled (released Qwen2.5 / Qwen3 configs "
+                         "have rope_scaling null; remove a yarn entry added for long contexts)")
 
 
-def _qwen_params(c: dict, family: str) -> dict:
+def _qwen_params(c: dict, family: str, understood: tuple = QWEN_KEYS) -> dict:
     _check_supported(c, family)
-    params = llama_params(c)
+    params = llama_params(c, family, understood)
     params["use_hf_rope"] = True  # HF's RoPE table (equal to Meta's for plain RoPE) on HF-ordered q/k rows
     if "head_dim" in c:
         params["head_dim"] = c["head_dim"]
@@ -44,7 +54,7 @@ def qwen3_params(c: dict) -> dict:
     if c.get("attention_bias"):
         raise InputError("qwen3: attention_bias=true is not supported",
                          "ExecuTorch's Qwen3 converter maps no q/k/v biases (released Qwen3 models have none)")
-    params = _qwen_params(c, "qwen3")
+    params = _qwen_params(c, "qwen3", QWEN_KEYS + ("attention_bias",))
     params.update(head_dim=c.get("head_dim", 128), use_qk_norm=True, qk_norm_before_rope=True)
     return params
 

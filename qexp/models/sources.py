@@ -156,6 +156,10 @@ def _from_hf_folder(cfg: ModelConfig, hf_dir: str, fingerprint: str, source_path
         except Exception as exc:  # noqa: BLE001
             raise InputError(f"cannot read weights {weights}: {exc}", "the file is corrupt; re-save the model") from exc
     params = family.params_from_hf_config(hf_config)
+    if params.get("use_scaled_rope"):
+        # Llama 3's scaled RoPE, converted since 2026-12-06 (plain RoPE before, from the same weights): every cache
+        # entry of such a model keys on the fingerprint, which therefore says so
+        fingerprint = stable_hash([fingerprint, "llama3_rope", params["rope_scale_factor"]], length=64)
     return LoadedModel(
         name=cfg.name,
         arch=cfg.arch,

@@ -69,6 +69,20 @@ def _to_rope_layout(state_dict: dict, n_layers: int, n_heads: int, n_kv_heads: i
     return out
 
 
+def _share_conv_weights(owner: torch.nn.Module, linears: dict) -> None:
+    """Upstream's conv preparation copies each linear's weight into a new 1x1 conv; point the conv at the linear's
+    tensor instead (a [out, in, 1, 1] view of it), so the static llama shares its weights with the LoadedModel it was
+    built from, as the code around it assumes (qexp/transforms/capture.py: private_static copies before updating in
+    place), and a 1B model's decoder is held once, not twice (3.9 GB of Llama-3.2-1B's shape)."""
+    for name, linear in linears.items():
+        conv = getattr(owner, f"{name}_conv", None)
+        if not isinstance(conv, torch.nn.Conv2d) or conv.weight.shape != (*linear.weight.shape, 1, 1):
+            continue  # e.g. a fused gate/up conv: a copy of two linears, kept as upstream built it
+        conv.weight = torch.nn.Parameter(linear.weight.detach()[:, :, None, None], conv.weight.requires_grad)
+        if conv.bias is not None and linear.bias is not None and conv.bias.shape == linear.bias.shape:
+            conv.bias = torch.nn.Parameter(linear.bias.detach(), conv.bias.requires_grad)
+
+
 def model_args(model: LoadedModel, max_context_len: int, ar_len: int, r3: bool, kv_io_bit_width: int = 16,
                masked_softmax: bool = False):
     """upstream ModelArgs as its process_model_args sets them (batch 1)."""
@@ -117,10 +131,12 @@ class StaticLlama:
                 "check that model.checkpoint and model.params belong together",
             ) from exc
         for layer in module.layers:  # upstream's linear -> 1x1 conv preparation for HTP
-            if getattr(layer.attention, "prepare_attention_conv", None):
-                layer.attention.prepare_attention_conv()
-            if getattr(layer.feed_forward, "prepare_feedforward_conv", None):
-                layer.feed_forward.prepare_feedforward_conv()
+            for owner, prepare in ((layer.attention, "prepare_attention_conv"),
+                                   (layer.feed_forward, "prepare_feedforward_conv")):
+                if getattr(owner, prepare, None):
+                    linears = {n: m for n, m in owner.named_children() if isinstance(m, torch.nn.Linear)}
+                    getattr(owner, prepare)()
+                    _share_conv_weights(owner, linears)
         self.module = upstream.convert_linear_to_conv2d(module).eval()
         self.n_layers = self.args.n_layers
         # exact weight ranges an algorithm fixed (GPTQ), by this module's parameter name, rows in its order
@@ -187,8 +203,13 @@ class StaticLlama:
 
 
 @torch.no_grad()
-def window_logits(module, static: StaticLlama, tokens: Sequence[int]) -> torch.Tensor:
-    """Logits [len(tokens), vocab] of one window through `module` (eager static llama or its QDQ program)."""
-    out = module(*static.inputs(tokens))
+def window_logits(module, static: StaticLlama, tokens: Sequence[int], device: torch.device | None = None
+                  ) -> torch.Tensor:
+    """Logits [len(tokens), vocab] of one window through `module` (eager static llama or its QDQ program), on the
+    CPU; computed on `device` (where qexp.device.placed put the module) when given."""
+    inputs = static.inputs(tokens)
+    if device is not None and device.type != "cpu":
+        inputs = tuple(t.to(device) for t in inputs)
+    out = module(*inputs)
     logits = out[0] if isinstance(out, (tuple, list)) else out
-    return logits.reshape(static.ar_len, -1)[: len(tokens)].float()
+    return logits.reshape(static.ar_len, -1)[: len(tokens)].float().cpu()

@@ -18,7 +18,9 @@ _TINY_CACHE_VERSION = 1
 
 
 # Spec fields added after the first tiny models: left out of the key at these values, so older keys are unchanged.
-_KEY_OMITS_DEFAULTS = {"family": "llama", "head_dim": None}
+_KEY_OMITS_DEFAULTS = {"family": "llama", "head_dim": None, "config": None}
+
+RELEASED = Path(__file__).resolve().parent / "released"  # released models' config.json files, by preset name
 
 
 def tiny_key(spec: TinyModelSpec) -> dict:
@@ -34,6 +36,8 @@ def _hf_model_class(spec: TinyModelSpec):
     switches)."""
     import transformers
 
+    if spec.config:
+        return _released_model_class(spec)
     common = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.dim,
@@ -73,6 +77,49 @@ def _hf_model_class(spec: TinyModelSpec):
     raise ConfigError(f"model.tiny.family={spec.family!r}: choose llama, qwen2, qwen3 or gemma3")
 
 
+def released_config(name: str) -> dict:
+    """The config.json of a released model, as shipped in qexp/models/released/."""
+    import json
+
+    path = RELEASED / f"{name}.json"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in RELEASED.glob("*.json")))
+        raise ConfigError(f"model.tiny.config={name!r} is not a released config qexp ships", f"choose one of: {known}")
+    return json.loads(path.read_text())
+
+
+# TinyModelSpec field -> the config.json key that must hold the same value when model.tiny.config is set
+_SPEC_KEYS = {"dim": "hidden_size", "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+              "hidden_dim": "intermediate_size", "vocab_size": "vocab_size",
+              "max_position_embeddings": "max_position_embeddings"}
+
+
+def _released_model_class(spec: TinyModelSpec):
+    """A released model's config with random weights: every key as released, the first `n_layers` layers."""
+    import transformers
+
+    c = released_config(spec.config)
+    for field, key in {**_SPEC_KEYS, **({"head_dim": "head_dim"} if spec.head_dim else {})}.items():
+        if getattr(spec, field) != c.get(key):
+            raise ConfigError(f"model.tiny.{field}={getattr(spec, field)} but the released config {spec.config} has "
+                              f"{key}={c.get(key)}", f"set model.tiny.{field}={c.get(key)}, or drop model.tiny.config")
+    if not 1 <= spec.n_layers <= c["num_hidden_layers"]:
+        raise ConfigError(f"model.tiny.n_layers={spec.n_layers}: {spec.config} has {c['num_hidden_layers']} layers",
+                          "use 1 to that many (the model's first layers)")
+    from qexp.models.families import family_of_hf_architecture
+
+    family = family_of_hf_architecture(c["architectures"][0])
+    if family is None or family.name != spec.family:  # the family decides the random init below
+        raise ConfigError(f"model.tiny.family={spec.family} but the released config {spec.config} is "
+                          f"{c['architectures'][0]}", f"set model.tiny.family={family.name if family else '?'}")
+    c = dict(c, num_hidden_layers=spec.n_layers)
+    if isinstance(c.get("layer_types"), list):
+        c["layer_types"] = c["layer_types"][: spec.n_layers]
+    architecture = c["architectures"][0]
+    config = transformers.AutoConfig.for_model(c.pop("model_type"), **c)
+    return getattr(transformers, architecture), config
+
+
 def tiny_hf_folder(spec: TinyModelSpec, cache: Cache) -> str:
     """A random model of `spec.family` (HF *ForCausalLM, seeded) and a small byte-level BPE trained on shipped news
     text."""
@@ -83,11 +130,13 @@ def tiny_hf_folder(spec: TinyModelSpec, cache: Cache) -> str:
         torch.manual_seed(spec.seed)
         model = model_class(config)
         # Larger-than-default init so the random model has peaked, position-dependent predictions: quantization
-        # then visibly changes perplexity, which the tests rely on.
+        # then visibly changes perplexity, which the tests rely on. A released config keeps transformers' own init
+        # (its initializer_range) for the matrices: logits of the size a trained model's have, not a collapsed one's.
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if p.dim() == 2:
-                    p.normal_(0.0, 0.08)
+                    if not spec.config:
+                        p.normal_(0.0, 0.08)
                 elif spec.family == "gemma3" and "norm" in name:
                     p.normal_(0.0, 0.1)  # Gemma's gains are (1 + w), zero at init: random, as the q/k norms below
                 elif spec.family != "llama" and name.endswith(("_proj.bias", "_norm.weight")):

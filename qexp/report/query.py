@@ -48,6 +48,8 @@ def with_current_names(runs: pd.DataFrame) -> pd.DataFrame:
         if current_name in LEGACY_WINS_ON_OLD_RUNS:
             current = current.where(~old_run)
         runs[current_name] = current.where(current.notna(), column(runs, legacy_name))
+    # every run from before the device setting ran its torch phases on the CPU
+    runs["tags.device"] = column(runs, "tags.device").fillna("cpu")
     scheme = column(runs, "tags.scheme")
     if scheme.isna().any():
         # The only place the report names a backend: runs logged before the scheme tag quantized their XNNPACK

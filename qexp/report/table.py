@@ -66,6 +66,8 @@ COMPARABILITY = {
     "tags.numerics.mkl_cbwr": "MKL branch",
     # the CPU model: with the same kernels an Intel and an AMD host calibrate to different programs (qexp/provenance.py)
     "tags.cpu": "CPU",
+    # where the torch phases ran (qexp/device.py): CUDA's kernels round differently from the CPU's
+    "tags.device": "device",
 }
 MIXED_COLUMNS = {"text_source": ("params.eval.text_source", "text"),
                  "window_len": ("params.eval.window_len", "window len"),

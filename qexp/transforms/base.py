@@ -179,6 +179,8 @@ def build_transforms(algorithm_cfg) -> List[ModelTransform]:
         cls = TRANSFORMS[name]
         schema = OmegaConf.structured(cls.config_class)
         try:
+            if OmegaConf.is_config(settings):  # resolved in the run's config (algorithm.qat.device: ${device})
+                settings = OmegaConf.to_container(settings, resolve=True)
             config = OmegaConf.merge(schema, settings or {})
         except Exception as exc:  # noqa: BLE001 - OmegaConf raises several types for a bad value or key
             raise ConfigError(f"algorithm.{name}: {str(exc).splitlines()[0]}", "see docs/algorithms.md") from exc
