@@ -109,3 +109,20 @@ def test_a_config_key_the_converter_does_not_understand_is_refused(name, change,
     with pytest.raises(InputError, match=match) as info:
         family_for_architecture(c["architectures"][0]).params_from_hf_config({**c, **change})
     assert "\n" not in str(info.value)
+
+
+def test_the_keys_a_gguf_folder_and_transformers_5_write_are_understood():
+    """SmolLM2's folder as transformers 5 writes it from the shipped GGUF (its name, unk_token_id, rope_parameters):
+    every key understood, nothing refused."""
+    from qexp.models.families import LLAMA
+
+    smollm2 = {"_model_name_or_path": "Smollm2 135M 8k Lc100K Mix1 Ep2", "architectures": ["LlamaForCausalLM"],
+               "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1, "dtype": "float32",
+               "eos_token_id": 2, "head_dim": 64, "hidden_act": "silu", "hidden_size": 576, "initializer_range": 0.02,
+               "intermediate_size": 1536, "max_position_embeddings": 8192, "mlp_bias": False, "model_type": "llama",
+               "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3, "pad_token_id": 2,
+               "pretraining_tp": 1, "rms_norm_eps": 9.999999747378752e-06,
+               "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}, "tie_word_embeddings": True,
+               "transformers_version": "5.23.0", "unk_token_id": 0, "use_cache": True, "vocab_size": 49152}
+    params = LLAMA.params_from_hf_config(smollm2)
+    assert not params["use_scaled_rope"] and params["rope_theta"] == 100000.0

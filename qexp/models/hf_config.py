@@ -23,6 +23,10 @@ NEUTRAL_KEYS = frozenset({
     "rope_scaling", "rope_parameters", "tie_word_embeddings", "head_dim",
 })
 
+# Any token id (unk_token_id, sep_token_id, ...; a GGUF's folder carries unk_token_id) and the name a folder was
+# saved from (a GGUF's `_model_name_or_path`)
+NEUTRAL_SUFFIXES = ("_token_id", "name_or_path")
+
 # Llama 3.1 / 3.2's RoPE scaling as ExecuTorch's static llama computes it (executorch/examples/models/llama/rope.py
 # apply_scaling: low_freq_factor 1 and an original context of 8192 fixed, high_freq_factor 4 by default); the
 # factor is a ModelArgs field (rope_scale_factor).
@@ -32,7 +36,8 @@ LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_p
 def check_keys(c: dict, family: str, understood: Iterable[str]) -> None:
     """Refuse a config.json key that is neither neutral nor understood by `family`'s converter."""
     generic = _generic_defaults()
-    unknown = sorted(k for k in set(c) - NEUTRAL_KEYS - set(understood) if not _generic_default(k, c[k], generic))
+    unknown = sorted(k for k in set(c) - NEUTRAL_KEYS - set(understood)
+                     if not (_generic_default(k, c[k], generic) or k.endswith(NEUTRAL_SUFFIXES)))
     if unknown:
         raise InputError(f"{family}: config.json keys qexp's converter does not understand: {', '.join(unknown)}",
                          "qexp refuses rather than ignores them; remove a key that does not change the model, or "
