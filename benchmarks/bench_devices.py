@@ -4,9 +4,9 @@ seconds of each stage, their ratios, the perplexities' differences and the peak 
 GPU's peak allocation). On a host without a GPU it times the CPU alone and says so. Prints one table; with --out,
 writes it and the host (CPU, GPU, driver, torch build) to DIR/bench_devices.md and .json.
 
-What moves with `device` today (docs/gpu.md): the FP phase, the transformed model's float evaluation and the QDQ
-phase's evaluation (and QAT); the export, calibration and the other algorithms stay on the CPU, so `quantize` and
-`transform` times are the CPU's on both sides.
+What moves with `device` today (docs/gpu.md): the FP phase, the transformed model's float evaluation, the QDQ
+phase's evaluation, the tasks' scorers (and QAT); the export, calibration and the other algorithms stay on the CPU,
+so `quantize` and `transform` times are the CPU's on both sides. Add eval.tasks=[...] to time the tasks too.
 
     .venv/bin/python benchmarks/bench_devices.py                                   # SmolLM2-135M, 16a4w, 32 windows
     .venv/bin/python benchmarks/bench_devices.py model=shape_llama3_2_1b eval.limit=8 --out results/gpu
@@ -29,7 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-STAGES = ("load", "calibration_data", "eval_fp", "quantize", "eval_qdq")
+STAGES = ("load", "calibration_data", "eval_fp", "quantize", "eval_qdq", "tasks_fp", "tasks_qdq")
 
 
 def run_on(device: str, overrides: list) -> dict:
@@ -41,7 +41,7 @@ def run_on(device: str, overrides: list) -> dict:
         torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory(prefix=f"qexp-bench-{device}-") as cache:
         start = time.perf_counter()
-        state = prepare(compose([*overrides, f"device={device}", f"cache_dir={cache}"]), "qdq")
+        state = prepare(compose([*overrides, f"device={device}", f"cache_dir={cache}"]), "tasks")
         wall = time.perf_counter() - start
     seconds = {k[len("time_"):-2]: v for k, v in state.timer.metrics().items() if k.startswith("time_")}
     return {
@@ -66,7 +66,6 @@ def host() -> dict:
 
 
 def table(results: list) -> str:
-    cpu = results[0]
     head = "| stage | " + " | ".join(f"{r['device']} s" for r in results) + (
         " | CPU / CUDA |" if len(results) > 1 else " |")
     lines = [head, "|---" * (len(results) + 1 + (len(results) > 1)) + "|"]

@@ -82,6 +82,19 @@ def placed(module: torch.nn.Module, device: torch.device):
     if device.type == "cpu":
         yield module
         return
+    saved = move(module, device)
+    try:
+        yield module
+    finally:
+        for table, name, value in saved:
+            table[name] = value
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def move(module: torch.nn.Module, device: torch.device) -> list:
+    """Put `module`'s tensors on `device` by swapping each for a device copy (the CPU tensors themselves are not
+    touched: a LoadedModel sharing them keeps them). Returns what `placed` puts back: (table, name, CPU tensor)."""
     moved, saved = {}, []
 
     def on_device(tensor):
@@ -94,17 +107,10 @@ def placed(module: torch.nn.Module, device: torch.device):
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers, vars(sub)):
             for name, value in list(table.items()):
-                if isinstance(value, torch.Tensor) and not (table is vars(sub) and name in ("_parameters", "_buffers")):
+                if isinstance(value, torch.Tensor) and value.device != device:
                     saved.append((table, name, value))
                     table[name] = on_device(value)
-    try:
-        yield module
-    finally:
-        for table, name, value in saved:
-            table[name] = value
-        moved.clear()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    return saved
 
 
 def on_device(device: torch.device, module: torch.nn.Module, work):

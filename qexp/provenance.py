@@ -187,7 +187,7 @@ def fp_task_key(cfg: DictConfig, model, static, suite_key: str) -> str:
     extra = {"masked_softmax": True} if static.masked_softmax else {}
     return stable_hash({**extra, "model": model.fingerprint, "arch": cfg.model.arch, "r3": static.r3,
                         "context": cfg.export.max_context_len, "tasks": suite_key, "numerics": numerics_key(),
-                        "versions": library_versions()}, length=24)
+                        "versions": library_versions(), **_device_key(cfg)}, length=24)
 
 
 def qdq_cache_key(cfg: DictConfig, model, static, calibration, soc: str, algorithms=()) -> str:

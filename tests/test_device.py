@@ -103,3 +103,23 @@ def test_cuda_runs_score_within_the_cpu_runs_interval(compose):
     for phase in ("fp", "qdq"):
         cpu, cuda = metrics["cpu"][f"ppl_{phase}"], metrics["cuda"][f"ppl_{phase}"]
         assert cuda == pytest.approx(cpu, rel=1e-3), (phase, cpu, cuda)
+
+
+def test_the_task_scorers_run_whole_on_another_device(compose):
+    """The FP and QDQ task scorers on the meta device: inputs and the head's row selection go to the module's device,
+    which the scorer moves there at its first call (the loaded model's CPU tensors are untouched)."""
+    from qexp.pipeline import prepare
+    from qexp.quant.fold import with_weights_dequantized
+    from qexp.tasks.head_rows import head_rows
+    from qexp.tasks.packing import PackedScorer
+
+    state = prepare(compose(TINY + ["quant=16a4w"], tracked=False), "qdq")
+    meta = torch.device("meta")
+    embedding = state.model.state_dict["tok_embeddings.weight"].clone()
+    folded = with_weights_dequantized(state.qdq.program.module, None)
+    for module, static in ((state.fp_static.module, state.fp_static), (folded, state.static)):
+        scorer = PackedScorer(module, static, "meta", head_rows(module, static.ar_len), meta)
+        rows = [0, 5, 9]
+        logits = scorer.forward(static.inputs(state.windows.ids[0]), rows)
+        assert logits.device == meta and logits.shape == (len(rows), static.vocab_size)
+    assert torch.equal(state.model.state_dict["tok_embeddings.weight"], embedding)

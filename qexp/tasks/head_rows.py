@@ -41,13 +41,15 @@ class EagerHeadRows:
     """The float static llama: its `output` module is swapped for one that first takes the rows, during a call only
     (the module is shared with the perplexity phases)."""
 
+    device = None  # where the scorer placed the module (qexp/tasks/packing.py); None: the CPU
+
     def __init__(self, module: torch.nn.Module):
         self.module = module
 
     @contextmanager
     def selecting(self, rows: Sequence[int]) -> Iterator[None]:
         head = getattr(self.module, HEAD)
-        setattr(self.module, HEAD, _Rows(head, torch.as_tensor(list(rows), dtype=torch.long)))
+        setattr(self.module, HEAD, _Rows(head, torch.as_tensor(list(rows), dtype=torch.long, device=self.device)))
         try:
             yield
         finally:
@@ -57,6 +59,8 @@ class EagerHeadRows:
 class GraphHeadRows:
     """A QDQ program whose graph the caller owns (qexp.quant.fold's copy): rewritten once, rows set per call; outside
     a call every row is taken, so the program still gives all its logits."""
+
+    device = None  # as EagerHeadRows
 
     def __init__(self, module: torch.fx.GraphModule, entry: torch.fx.Node, ar_len: int):
         self.module, self.all_rows = module, torch.arange(ar_len)
@@ -74,7 +78,7 @@ class GraphHeadRows:
 
     @contextmanager
     def selecting(self, rows: Sequence[int]) -> Iterator[None]:
-        setattr(self.module, _ROWS_BUFFER, torch.as_tensor(list(rows), dtype=torch.long))
+        setattr(self.module, _ROWS_BUFFER, torch.as_tensor(list(rows), dtype=torch.long, device=self.device))
         try:
             yield
         finally:

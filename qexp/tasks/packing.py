@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from qexp.device import move
+
 
 @dataclass(frozen=True)
 class ScoreRequest:
@@ -95,8 +97,13 @@ class PackedScorer:
     (qexp/tasks/head_rows.py) runs the output head on the positions a call scores only; without it the program's
     full logits are computed and the rows taken from them."""
 
-    def __init__(self, module, static, desc: str = "tasks", head_rows=None):
+    def __init__(self, module, static, desc: str = "tasks", head_rows=None, device=None):
         self.module, self.static, self.desc, self.head_rows = module, static, desc, head_rows
+        # where the caller placed the module (qexp.device.placed): inputs and head rows go there, logits come back
+        self.device = device if device is not None and device.type != "cpu" else None
+        self._moved = False
+        if head_rows is not None:
+            head_rows.device = self.device
         self.ar_len = static.ar_len
         example = static.example_inputs()
         self.n_masks = static.n_masks
@@ -140,7 +147,16 @@ class PackedScorer:
         return (tokens, *masks, positions, *self._caches), layout
 
     def _logits(self, inputs, rows: List[int]) -> torch.Tensor:
-        """The call's logits [len(rows), vocab] at positions `rows`."""
+        """The call's logits [len(rows), vocab] at positions `rows`, on the CPU."""
+        return self.forward(inputs, rows).cpu()
+
+    def forward(self, inputs, rows: List[int]) -> torch.Tensor:
+        """The call's logits at positions `rows`, on the module's device."""
+        if self.device is not None:
+            if not self._moved:  # the scorer's module stays on the device from its first call (lm-eval calls it
+                move(self.module, self.device)  # many times, from a harness with no scope to place it in)
+                self._moved = True
+            inputs = tuple(t.to(self.device) for t in inputs)
         with self.head_rows.selecting(rows) if self.head_rows is not None else nullcontext():
             result = self.module(*inputs)
         logits = result[0] if isinstance(result, (tuple, list)) else result

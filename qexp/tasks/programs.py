@@ -24,7 +24,7 @@ class PhaseProgram:
 def fp_program(state) -> PhaseProgram:
     """The untransformed float model: the reference every other phase is compared with."""
     static = state.fp_static
-    scorer = PackedScorer(static.module, static, "FP tasks", head_rows(static.module, static.ar_len))
+    scorer = PackedScorer(static.module, static, "FP tasks", head_rows(static.module, static.ar_len), state.device)
     return PhaseProgram("fp", scorer, state.model.tokenizer, state.model.add_bos)
 
 
@@ -35,7 +35,7 @@ def qdq_program(state) -> PhaseProgram:
 
     folded = with_weights_dequantized(state.qdq.program.module, htp_exact_lowering(state.cfg))
     static = state.qdq.static  # the folded copy is the scorer's own: its head is rewritten to take rows
-    scorer = PackedScorer(folded, static, "QDQ tasks", head_rows(folded, static.ar_len))
+    scorer = PackedScorer(folded, static, "QDQ tasks", head_rows(folded, static.ar_len), state.device)
     return PhaseProgram("qdq", scorer, state.model.tokenizer, state.model.add_bos)
 
 
