@@ -1,9 +1,9 @@
 """Where a run's torch work runs: the top-level `device` setting (auto | cpu | cuda).
 
-On the chosen device run the FP phase, the transformed model's float evaluation, the QDQ phase's evaluation and QAT
-(which follows `device` unless `algorithm.qat.device` says otherwise). The export, QnnQuantizer's calibration, the
-other algorithms, the lowering and QNN's compile, the HTP emulator and XNNPACK stay on the CPU (x86 libraries, or
-graphs not yet checked on CUDA); docs/gpu.md keeps that list.
+On the chosen device run the FP phase, the transformed model's float evaluation, the QDQ phase's evaluation, the
+tasks' FP and QDQ scorers and QAT (which follows `device` unless `algorithm.qat.device` says otherwise). The export,
+QnnQuantizer's calibration, the other algorithms, the lowering and QNN's compile, the HTP emulator and XNNPACK stay
+on the CPU (x86 libraries, or work not yet moved); docs/gpu.md keeps that list.
 
 CUDA's kernels round differently from the CPU's, so a result computed on CUDA is cached apart from a CPU one
 (`device_key`) and its run carries the device in its tags; the CPU's key part is empty, which keeps every cache key
@@ -61,17 +61,6 @@ def device_tags(device: torch.device) -> Dict[str, str]:
     props = torch.cuda.get_device_properties(device)
     return {"device": "cuda", "device_name": props.name, "device_memory_gib": f"{props.total_memory / 2**30:.1f}",
             "cuda_version": str(torch.version.cuda)}
-
-
-def check_fits(device: torch.device, needed_bytes: int, what: str) -> None:
-    """Refuse, before the model loads, a GPU too small for the run (`needed_bytes`: qexp's estimate of its peak)."""
-    if device.type != "cuda":
-        return
-    free, total = torch.cuda.mem_get_info(device)
-    if needed_bytes > total:
-        raise ConfigError(f"{what} needs about {needed_bytes / 2**30:.1f} GiB of GPU memory; this "
-                          f"{torch.cuda.get_device_name(device)} has {total / 2**30:.1f} GiB",
-                          "use device=cpu, a larger GPU, or a smaller model")
 
 
 @contextmanager

