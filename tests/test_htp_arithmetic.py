@@ -143,9 +143,10 @@ def test_new_settings_at_their_default_keep_earlier_hashes(compose):
 
     cfg = compose(TINY)
     container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    for volatile in ("tracking", "cache_dir", "cache", "verbose"):
+    for volatile in ("tracking", "cache_dir", "cache", "verbose", "device"):  # device: the CPU's leaves no trace
         container.pop(volatile, None)
     del container["eval"]["htp_exact"], container["quant"]["weight_range"], container["model"]["masked_softmax"]
+    del container["model"]["tiny"]["config"]  # model.tiny.config came later too
     del container["sensitivity"], container["search"]  # None outside `python -m qexp.sensitivity` / `.search`
     for task_setting in ("tasks", "task_paths", "task_limit"):  # the tasks stage came later too
         del container["eval"][task_setting]
@@ -160,9 +161,10 @@ def test_new_settings_at_their_default_keep_earlier_hashes(compose):
 
     clip = compose(TINY + ["quant=16a4w", "algorithm=[weight_clip]"])
     container = OmegaConf.to_container(clip, resolve=True, enum_to_str=True)
-    for volatile in ("tracking", "cache_dir", "cache", "verbose"):
+    for volatile in ("tracking", "cache_dir", "cache", "verbose", "device"):  # device: the CPU's leaves no trace
         container.pop(volatile, None)
     del container["eval"]["htp_exact"], container["quant"]["weight_range"], container["model"]["masked_softmax"]
+    del container["model"]["tiny"]["config"]  # model.tiny.config came later too
     del container["sensitivity"], container["search"]  # None outside `python -m qexp.sensitivity` / `.search`
     for task_setting in ("tasks", "task_paths", "task_limit"):
         del container["eval"][task_setting]
