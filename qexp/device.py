@@ -33,12 +33,17 @@ def check_device(wanted) -> None:
                           "use device=auto or cpu, or run on a host with an NVIDIA GPU and torch's CUDA build")
 
 
+def resolved_name(wanted) -> str:
+    """`auto` -> "cuda" when torch sees a GPU, else "cpu"; any other value as it is (unchecked)."""
+    if wanted == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(wanted)
+
+
 def resolve(wanted) -> torch.device:
-    """`auto` -> CUDA when torch sees a GPU, else the CPU."""
+    """The checked device: `auto` -> CUDA when torch sees a GPU, else the CPU."""
     check_device(wanted)
-    if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda")
-    return torch.device("cpu")
+    return torch.device(resolved_name(wanted))
 
 
 def run_device(cfg) -> torch.device:
@@ -86,7 +91,7 @@ def move(module: torch.nn.Module, device: torch.device) -> list:
     touched: a LoadedModel sharing them keeps them). Returns what `placed` puts back: (table, name, CPU tensor)."""
     moved, saved = {}, []
 
-    def on_device(tensor):
+    def copy_of(tensor):
         if id(tensor) not in moved:
             copy = tensor.detach().to(device)
             moved[id(tensor)] = torch.nn.Parameter(copy, tensor.requires_grad) if isinstance(
@@ -98,7 +103,7 @@ def move(module: torch.nn.Module, device: torch.device) -> list:
             for name, value in list(table.items()):
                 if isinstance(value, torch.Tensor) and value.device != device:
                     saved.append((table, name, value))
-                    table[name] = on_device(value)
+                    table[name] = copy_of(value)
     return saved
 
 

@@ -65,13 +65,11 @@ def config_hash(cfg: DictConfig) -> str:
 
 
 def _resolved_device(cfg: DictConfig) -> Dict[str, str]:
-    import torch
+    from qexp.device import resolved_name
 
-    wanted = cfg.get("device", "cpu")
-    if wanted == "auto":
-        wanted = "cuda" if torch.cuda.is_available() else "cpu"
-    # an unknown device, or cuda without one, is refused by validate(), inside the run this hash names
-    return {} if wanted == "cpu" else {"device": str(wanted)}
+    # unchecked: an unknown device, or cuda without one, is refused by validate(), inside the run this hash names
+    name = resolved_name(cfg.get("device", "cpu"))
+    return {} if name == "cpu" else {"device": name}
 
 
 @functools.lru_cache(maxsize=1)

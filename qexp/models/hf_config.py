@@ -95,6 +95,4 @@ def _generic_defaults() -> dict:
 
 def _generic_default(key: str, value, generic: dict) -> bool:
     """A PretrainedConfig attribute at its default, or one that only a classification head reads."""
-    if key in ("id2label", "label2id", "problem_type", "num_labels"):
-        return key in generic or key == "num_labels"
-    return key in generic and value == generic[key]
+    return key in ("id2label", "label2id", "problem_type", "num_labels") or (key in generic and value == generic[key])

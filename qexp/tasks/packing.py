@@ -99,7 +99,8 @@ class PackedScorer:
 
     def __init__(self, module, static, desc: str = "tasks", head_rows=None, device=None):
         self.module, self.static, self.desc, self.head_rows = module, static, desc, head_rows
-        # where the caller placed the module (qexp.device.placed): inputs and head rows go there, logits come back
+        # the run's device: the scorer moves its module there at its first call; inputs and head rows go there,
+        # logits come back to the CPU
         self.device = device if device is not None and device.type != "cpu" else None
         self._moved = False
         if head_rows is not None:

@@ -103,8 +103,9 @@ class Qat(GridSearchTransform):
         return int(self.config.seq_len or cfg.export.max_context_len)
 
     def device(self) -> torch.device:
-        wanted = self.config.device
-        return torch.device("cuda" if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()) else "cpu")
+        from qexp.device import resolved_name
+
+        return torch.device(resolved_name(self.config.device))
 
     def grid_dependency(self, cfg) -> Dict[str, Any]:
         """Besides the grid: the text it trains on (the calibration half of `calibration.text` or the evaluation
