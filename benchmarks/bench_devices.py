@@ -4,9 +4,9 @@ seconds of each stage, their ratios, the perplexities' differences and the peak 
 GPU's peak allocation). On a host without a GPU it times the CPU alone and says so. Prints one table; with --out,
 writes it and the host (CPU, GPU, driver, torch build) to DIR/bench_devices.md and .json.
 
-What moves with `device` today (docs/gpu.md): the FP phase, the transformed model's float evaluation, the QDQ
-phase's evaluation, the tasks' scorers (and QAT); the export, calibration and the other algorithms stay on the CPU,
-so `quantize` and `transform` times are the CPU's on both sides. Add eval.tasks=[...] to time the tasks too.
+What moves with `device` (docs/gpu.md): the FP phase, the algorithms (`transform_*` rows), the transformed model's
+float evaluation, the calibration, the QDQ phase's evaluation, the tasks' scorers; the export, prepare and convert
+inside `quantize` stay on the CPU. Add eval.tasks=[...] to time the tasks, 'algorithm=[...]' for the stack.
 
     .venv/bin/python benchmarks/bench_devices.py                                   # SmolLM2-135M, 16a4w, 32 windows
     .venv/bin/python benchmarks/bench_devices.py model=shape_llama3_2_1b eval.limit=8 --out results/gpu
@@ -29,7 +29,18 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-STAGES = ("load", "calibration_data", "eval_fp", "quantize", "eval_qdq", "tasks_fp", "tasks_qdq")
+STAGES = ("load", "calibration_data", "eval_fp", "transform_*", "eval_fp_transformed", "quantize", "calibrate",
+          "eval_qdq", "tasks_fp", "tasks_qdq")  # in a run's order; transform_* stands for each algorithm's stage
+
+
+def stages_of(results: list) -> list:
+    """The stages timed on any device, in STAGES' order (each algorithm's transform_<name> in the run's order)."""
+    timed = [s for r in results for s in r["seconds"]]
+    ordered = []
+    for stage in STAGES:
+        names = [s for s in timed if s.startswith("transform_")] if stage == "transform_*" else [stage]
+        ordered += [s for s in names if s in timed and s not in ordered]
+    return ordered
 
 
 def run_on(device: str, overrides: list) -> dict:
@@ -69,7 +80,7 @@ def table(results: list) -> str:
     head = "| stage | " + " | ".join(f"{r['device']} s" for r in results) + (
         " | CPU / CUDA |" if len(results) > 1 else " |")
     lines = [head, "|---" * (len(results) + 1 + (len(results) > 1)) + "|"]
-    for stage in (*STAGES, "total"):
+    for stage in (*stages_of(results), "total"):
         values = [r["seconds"].get(stage) for r in results]
         if all(v is None for v in values):
             continue

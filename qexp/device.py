@@ -1,9 +1,10 @@
 """Where a run's torch work runs: the top-level `device` setting (auto | cpu | cuda).
 
-On the chosen device run the FP phase, the transformed model's float evaluation, the QDQ phase's evaluation, the
-tasks' FP and QDQ scorers and QAT (which follows `device` unless `algorithm.qat.device` says otherwise). The export,
-QnnQuantizer's calibration, the other algorithms, the lowering and QNN's compile, the HTP emulator and XNNPACK stay
-on the CPU (x86 libraries, or work not yet moved); docs/gpu.md keeps that list.
+On the chosen device run the FP phase, the algorithms (rotation, SmoothQuant, AWQ, weight clip, GPTQ, and QAT, which
+follows `device` unless `algorithm.qat.device` says otherwise), the transformed model's float evaluation,
+QnnQuantizer's calibration (SeqMSE within it), the QDQ phase's evaluation and the tasks' FP and QDQ scorers. The
+export, the lowering and QNN's compile, the HTP emulator and XNNPACK stay on the CPU (x86 libraries); docs/gpu.md
+keeps that list.
 
 CUDA's kernels round differently from the CPU's, so a result computed on CUDA is cached apart from a CPU one
 (`device_key`) and its run carries the device in its tags; the CPU's key part is empty, which keeps every cache key
@@ -13,7 +14,7 @@ computed before this setting existed valid.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -56,6 +57,8 @@ def device_key(device: torch.device) -> Dict[str, str]:
     already says which CPU), the GPU model and CUDA version for CUDA."""
     if device.type == "cpu":
         return {}
+    if device.type != "cuda":  # the meta device of the placement tests
+        return {"device": device.type}
     return {"device": f"cuda:{torch.cuda.get_device_name(device)}:cuda{torch.version.cuda}"}
 
 
@@ -107,7 +110,62 @@ def move(module: torch.nn.Module, device: torch.device) -> list:
     return saved
 
 
+def to_device(tensors, device: torch.device) -> tuple:
+    """A model's flat inputs (static llama `inputs`) on `device`."""
+    return tuple(t.to(device) for t in tensors)
+
+
 def on_device(device: torch.device, module: torch.nn.Module, work):
     """work(module) with `module` placed on `device` (see `placed`); its CPU tensors are back afterwards."""
     with placed(module, device):
         return work(module)
+
+
+# What a run holds on the GPU at its peak, per float32 weight of the static llama (4 bytes each): one module at a time
+# is placed there, plus, in the layer-by-layer algorithms and the sensitivity analysis, the algorithm's own copy of
+# the layer it edits and the calibration activations (x2); QAT holds the student, its gradients, Adam's two moments
+# and the teacher (x5). Plus CUDA's context and the kernels' workspaces. An estimate from the shapes, not a
+# measurement: it refuses a GPU that cannot hold the weights, and says so before the model loads.
+BYTES_PER_WEIGHT = 4
+HOLDS = {"evaluate": 2, "train": 5}
+OVERHEAD_GIB = 2.0
+
+
+def static_llama_weights(dims: dict) -> int:
+    """The static llama's weights from the model's shapes: embedding and lm head (kept apart even when tied), and
+    per layer q/k/v/o and the three FFN projections (norms are negligible)."""
+    head_dim = dims.get("head_dim") or dims["dim"] // dims["n_heads"]
+    attention = dims["dim"] * head_dim * (2 * dims["n_heads"] + 2 * dims["n_kv_heads"])
+    return 2 * dims["vocab_size"] * dims["dim"] + dims["n_layers"] * (attention + 3 * dims["dim"] * dims["hidden_dim"])
+
+
+def gpu_need_gib(dims: dict, trains: bool) -> float:
+    """Estimated peak GPU memory of a run of a model of these shapes (see HOLDS)."""
+    weights_gib = static_llama_weights(dims) * BYTES_PER_WEIGHT / 2**30
+    return weights_gib * HOLDS["train" if trains else "evaluate"] + OVERHEAD_GIB
+
+
+def check_fits(dims: Optional[dict], trains: bool, total_gib: float, name: str) -> None:
+    """One line before the model loads when the GPU (`name`, `total_gib`) is smaller than the run's estimated need;
+    nothing when the model's shapes are not known before loading."""
+    if not dims or any(dims.get(k) is None for k in ("n_layers", "dim", "hidden_dim", "n_heads", "n_kv_heads",
+                                                      "vocab_size")):
+        return
+    need = gpu_need_gib(dims, trains)
+    if need > total_gib:
+        what = "QAT training" if trains else "its evaluations and algorithms"
+        raise ConfigError(f"device=cuda: {name} has {total_gib:.1f} GiB and this model needs about {need:.1f} GiB "
+                          f"for {what} (estimated from its shapes: {static_llama_weights(dims) / 1e9:.2f}B float32 "
+                          "weights)", "use a GPU with more memory, device=cpu, or (for QAT) algorithm.qat.device=cpu")
+
+
+def check_gpu_memory(cfg) -> None:
+    """check_fits for a run that resolves to CUDA: the model's shapes from its metadata, the GPU torch sees."""
+    from qexp.models.shapes import model_dims
+
+    wanted = cfg.get("device", "cpu")
+    trains = "qat" in (cfg.get("algorithm") or {}) and resolved_name(cfg.algorithm.qat.get("device", wanted)) == "cuda"
+    if not torch.cuda.is_available() or (resolved_name(wanted) != "cuda" and not trains):
+        return  # no GPU: check_device (or QAT's own check) has said so
+    props = torch.cuda.get_device_properties(0)
+    check_fits(model_dims(cfg.model), trains, props.total_memory / 2**30, props.name)

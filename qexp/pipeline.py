@@ -110,13 +110,14 @@ class RunState:
 def validate(cfg: DictConfig) -> Backend:
     """Reject a bad config before any model is loaded; returns the run's backend."""
     from qexp.data.text import check_texts
-    from qexp.device import check_device
+    from qexp.device import check_device, check_gpu_memory
     from qexp.models.static_llama import arch_flags
     from qexp.models.shapes import linear_shapes
     from qexp.quant.recipe import check_block_sizes, check_overrides_match, uses_blocks, validate_recipe
     from qexp.transforms import validate_transforms
 
     check_device(cfg.get("device", "cpu"))  # first: device=cuda on a host without one is one line, before any work
+    check_gpu_memory(cfg)  # a GPU too small for the model: one line, before it loads
     backend = get_backend(cfg.backend.name)
     arch_flags(cfg.model.arch)
     validate_recipe(cfg.quant, cfg.observer)

@@ -188,10 +188,14 @@ def fp_task_key(cfg: DictConfig, model, static, suite_key: str) -> str:
                         "versions": library_versions(), **_device_key(cfg)}, length=24)
 
 
-def qdq_cache_key(cfg: DictConfig, model, static, calibration, soc: str, algorithms=()) -> str:
+def qdq_cache_key(cfg: DictConfig, model, static, calibration, soc: str, algorithms=(), device=None) -> str:
     """Everything that determines a calibrated QDQ program (the model's fingerprint includes its transforms;
-    `algorithms`: fingerprints of the calibration-time ones, e.g. SeqMSE)."""
+    `algorithms`: fingerprints of the calibration-time ones, e.g. SeqMSE; `device`: where it calibrates, a part only
+    for CUDA)."""
+    from qexp.device import device_key
+
     extra = {"calibration_algorithms": list(algorithms)} if algorithms else {}  # keeps earlier keys valid
+    extra.update(device_key(device) if device is not None else {})
     if static.masked_softmax:
         extra["masked_softmax"] = True
     return stable_hash({
@@ -206,6 +210,6 @@ def qdq_cache_key(cfg: DictConfig, model, static, calibration, soc: str, algorit
         "observer": OmegaConf.to_container(cfg.observer, resolve=True, enum_to_str=True),
         "calibration": calibration.sha256,
         "soc": soc,
-        "numerics": numerics_key(),  # calibration runs the model eagerly on the CPU
+        "numerics": numerics_key(),  # calibration runs the model eagerly (on the CPU unless `device` says)
         "versions": library_versions(),
     }, length=24)

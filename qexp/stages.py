@@ -170,7 +170,7 @@ def transform(state) -> None:
         return
     curves = CurveLog() if state.tracked else None  # logs a training's curves as it trains, the rest once done
     context = TransformContext(state.cfg, state.calibration, state.cache, state.timer, reference=state.model,
-                               reference_static=state.fp_static, progress=curves)
+                               reference_static=state.fp_static, progress=curves, device=state.device)
     model = apply_transforms(state.model, transforms, context)
     for outputs in context.outputs.values():
         _log_transform_outputs(state, outputs, curves)
@@ -218,11 +218,11 @@ def qdq(state) -> None:
     soc = state.backend.quantizer_soc(cfg)
     algorithms = calibration_algorithms(build_transforms(cfg.algorithm))
     key = qdq_cache_key(cfg, state.deploy_model, static, state.calibration, soc,
-                        [a.fingerprint() for a in algorithms])
+                        [a.fingerprint() for a in algorithms], state.device)
     with state.timer.stage("quantize"):
         program = quantize(static, cfg.quant, cfg.observer, state.calibration, state.cache, key, soc,
                            timer=state.timer, recompose_hadamard=cfg.model.recompose_hadamard,
-                           algorithms=algorithms)
+                           algorithms=algorithms, device=state.device)
     state.tags.update({"qdq_cache_key": key, "qdq_cache_hit": str(program.cache_hit).lower(), **grid_tags(cfg)})
     if cfg.algorithm:  # every algorithm of the run in config order (the transform stage tags only model transforms)
         state.tags["algorithm"] = algorithm_label(build_transforms(cfg.algorithm))

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from qexp.cache import Cache
 from qexp.config import ObserverConfig, QuantConfig
 from qexp.data.calibration import CalibrationSet
+from qexp.device import placed, to_device
 from qexp.models.static_llama import StaticLlama
 from qexp.quant.lpbq import quantize_observer_scales
 from qexp.quant.recipe import make_quantizer
@@ -46,35 +47,40 @@ class QuantizedModel:
 def quantize(
     static: StaticLlama, quant: QuantConfig, observer: ObserverConfig, calibration: CalibrationSet,
     cache: Cache, key: str, soc: str, timer: StageTimer | None = None, recompose_hadamard: bool = True,
-    algorithms: Sequence = (),
+    algorithms: Sequence = (), device: Optional[torch.device] = None,
 ) -> QuantizedModel:
-    """Export the static llama, prepare it with the recipe's QnnQuantizer for `soc`, calibrate (running the
-    calibration-time `algorithms`, e.g. SeqMSE, after the first sample, as upstream), hand over exact weight ranges
-    (`static.weight_ranges`), convert (cached)."""
+    """Export the static llama, prepare it with the recipe's QnnQuantizer for `soc`, calibrate on `device` (running
+    the calibration-time `algorithms`, e.g. SeqMSE, after the first sample, as upstream), hand over exact weight
+    ranges (`static.weight_ranges`), convert (cached). The export and the convert run on the CPU."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
     timer = timer or StageTimer()
+    device = device or torch.device("cpu")
 
     def build(tmp: Path) -> dict:
         with torch.no_grad():
             prepared = prepare(static, quant, observer, soc, recompose_hadamard, timer)
-            with timer.stage("calibrate"):
-                for i, sample in enumerate(tqdm(calibration.samples, desc="calibrate", unit="sample", leave=False)):
-                    prepared(*static.inputs(sample))
-                    if i == 0 and algorithms:
-                        # the weights are observed on the first forward: their block scales become the LPBQ ones
-                        # now, so a scale search (SeqMSE) judges the scales HTP runs (re-rounding after it is the
-                        # identity: it scales a whole weight by one factor, which leaves each block's step alone)
-                        quantize_observer_scales(weight_observers(prepared).values(), quant.block_scale_rounding)
-                        for algorithm in algorithms:
-                            with timer.stage(f"calibrate_{algorithm.name}"):
-                                algorithm.calibrate(prepared, static, calibration)
-            set_weight_ranges(prepared, static.weight_ranges)
-            # block scales as HTP stores them (LPBQ): in the statistics, so the QDQ program and deploy graphs agree
-            n = quantize_observer_scales(weight_observers(prepared).values(), quant.block_scale_rounding)
-            if n:
-                log.info("LPBQ block scales (%s rounding) in %d weight observers", quant.block_scale_rounding.value, n)
-            torch.save(observer_statistics(prepared), tmp / OBSERVERS)
+            with placed(prepared, device):  # the statistics are read before its CPU tensors come back
+                with timer.stage("calibrate"):
+                    for i, sample in enumerate(tqdm(calibration.samples, desc="calibrate", unit="sample",
+                                                    leave=False)):
+                        prepared(*to_device(static.inputs(sample), device))
+                        if i == 0 and algorithms:
+                            # the weights are observed on the first forward: their block scales become the LPBQ ones
+                            # now, so a scale search (SeqMSE) judges the scales HTP runs (re-rounding after it is
+                            # the identity: it scales a whole weight by one factor, which leaves each block's step)
+                            quantize_observer_scales(weight_observers(prepared).values(), quant.block_scale_rounding)
+                            for algorithm in algorithms:
+                                with timer.stage(f"calibrate_{algorithm.name}"):
+                                    algorithm.calibrate(prepared, static, calibration, device)
+                set_weight_ranges(prepared, static.weight_ranges)
+                # block scales as HTP stores them (LPBQ): in the statistics, so the QDQ program and deploy graphs agree
+                n = quantize_observer_scales(weight_observers(prepared).values(), quant.block_scale_rounding)
+                if n:
+                    log.info("LPBQ block scales (%s rounding) in %d weight observers",
+                             quant.block_scale_rounding.value, n)
+                stats = on_cpu(observer_statistics(prepared))
+            torch.save(stats, tmp / OBSERVERS)
         return {"samples": len(calibration.samples), "tokens": calibration.n_tokens}
 
     path, hit = cache.get_or_build("qdq", key, build)
@@ -153,7 +159,7 @@ def set_weight_ranges(prepared: torch.fx.GraphModule, ranges: Dict[str, torch.Te
     with torch.no_grad():
         for name, value in ranges.items():
             observer = observers[name]
-            value = value.reshape(observer.min_val.shape).to(observer.min_val.dtype)
+            value = value.reshape(observer.min_val.shape).to(observer.min_val.device, observer.min_val.dtype)
             observer.min_val, observer.max_val = -value.clone(), value.clone()
 
 
@@ -188,6 +194,13 @@ def observer_statistics(prepared: torch.fx.GraphModule) -> dict:
 
 
 _ATTRIBUTE_STATISTICS = ("min_val", "max_val")
+
+
+def on_cpu(stats):
+    """`observer_statistics` read on another device, with its tensors on the CPU (what the cache keeps)."""
+    if isinstance(stats, dict):
+        return {k: on_cpu(v) for k, v in stats.items()}
+    return stats.cpu() if isinstance(stats, torch.Tensor) else stats
 
 
 def load_observer_statistics(prepared: torch.fx.GraphModule, stats: dict) -> None:

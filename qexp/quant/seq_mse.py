@@ -43,11 +43,13 @@ class SeqMse(CalibrationAlgorithm):
         if self.config.candidates < 1:
             raise ConfigError(f"algorithm.seq_mse.candidates={self.config.candidates}", "use at least 1 candidate")
 
-    def calibrate(self, prepared, static, calibration) -> None:
+    def calibrate(self, prepared, static, calibration, device) -> None:
+        from qexp.device import to_device
         from qexp.upstream.private_quantize import seq_mse_search
 
         sample = calibration.samples[0]
-        steps = seq_mse_search(prepared, lambda: prepared(*static.inputs(sample)), self.config.candidates)
+        steps = seq_mse_search(prepared, lambda: prepared(*to_device(static.inputs(sample), device)),
+                               self.config.candidates)
         for observer, step in steps:
             bake_scale_factor(observer, step)
 

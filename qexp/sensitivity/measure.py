@@ -43,7 +43,7 @@ class GroupWeights:
         if grid is None:
             return w
         if self.program is not None and grid == self.program.grid and group.name in self.program.weights:
-            return self.program.weights[group.name].reshape(w.shape)
+            return self.program.weights[group.name].reshape(w.shape).to(w.device)
         return grid.quantize(w.reshape(w.shape[0], -1)).reshape(w.shape)
 
     @torch.no_grad()
@@ -127,9 +127,9 @@ def float_pass(replay: LayerReplay, weights: GroupWeights, groups: List[Group], 
             with torch.enable_grad():
                 logits = replay.logits(ids[None])[0]
                 lp = torch.log_softmax(logits[first - 1 : -1].double(), dim=-1)
-                ll = lp.gather(1, torch.as_tensor(ids[first:], dtype=torch.long)[:, None])[:, 0]
+                ll = lp.gather(1, torch.as_tensor(ids[first:], dtype=torch.long, device=lp.device)[:, None])[:, 0]
                 (-ll.sum()).backward()
-            rows.append(ll.detach().numpy())
+            rows.append(ll.detach().cpu().numpy())
             for g in groups:
                 grad = weights.params[g.name].grad
                 if grad is not None:

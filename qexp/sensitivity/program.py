@@ -82,7 +82,7 @@ def start_model(state):
 
     start, _ = split_algorithms(build_transforms(state.cfg.algorithm))
     context = TransformContext(state.cfg, state.calibration, state.cache, state.timer, reference=state.model,
-                               reference_static=state.fp_static)
+                               reference_static=state.fp_static, device=state.device)
     return apply_transforms(state.model, start, context)
 
 

@@ -39,6 +39,7 @@ class LayerReplay:
     def __init__(self, static: StaticLlama, windows: Windows, batch: int = 8):
         self.static = static
         self.module = static.module
+        self.device = next(static.module.parameters()).device  # the run's device, where the caller put the module
         self.windows = windows
         # windows per forward call: one batched call is ~1.7x faster than one call per window on 2 cores (measured
         # with SmolLM2, 8 x 128 tokens) and gives the same logits
@@ -102,7 +103,7 @@ class LayerReplay:
         tokens, *rest = self.static.inputs(ids[0])
         stacked = torch.zeros((n_batch, tokens.shape[1]), dtype=tokens.dtype)
         stacked[:, : ids.shape[1]] = torch.as_tensor(ids, dtype=tokens.dtype)
-        return (stacked, *[t.expand(n_batch, *t.shape[1:]) for t in rest])
+        return tuple(t.to(self.device) for t in (stacked, *[t.expand(n_batch, *t.shape[1:]) for t in rest]))
 
     def logits(self, ids: np.ndarray) -> torch.Tensor:
         """[B, T, vocab] logits of a batch of windows under the module as it is now."""
@@ -118,6 +119,6 @@ class LayerReplay:
         # float32 log-softmax: a float64 one over the vocabulary costs a tenth of a late layer's whole re-run, and
         # every delta compares two numbers computed the same way
         predictors = logits[:, first - 1 : -1]
-        targets = torch.as_tensor(ids[:, first:], dtype=torch.long)
+        targets = torch.as_tensor(ids[:, first:], dtype=torch.long, device=self.device)
         picked = predictors.gather(-1, targets[..., None])[..., 0]
-        return (picked - torch.logsumexp(predictors, dim=-1)).double().numpy()
+        return (picked - torch.logsumexp(predictors, dim=-1)).double().cpu().numpy()

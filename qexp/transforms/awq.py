@@ -110,7 +110,7 @@ def search_clip(w: torch.Tensor, grid: WeightGrid, x: torch.Tensor, n_grid: int,
     original_max = wb.abs().amax(-1, keepdim=True)  # [blocks, out, 1]
     candidates = clip_candidates(original_max, grid, n_grid, max_shrink)
     best_max = original_max.clone()
-    best_err = torch.full(original_max.shape, float("inf"))
+    best_err = torch.full(original_max.shape, float("inf"), device=w.device)
     for max_val, scale in candidates:
         clipped = torch.maximum(torch.minimum(wb, max_val), -max_val)
         scale = scale.clamp(min=torch.finfo(torch.float32).eps)
@@ -142,12 +142,14 @@ class Awq(GridSearchTransform):
         # Every layer's inputs come from the float model, as in llm-awq (scaling keeps the function; clipping is
         # applied to the weights afterwards and not propagated), so one layer-by-layer pass serves all layers.
         static = private_static(model, cfg.export.max_context_len, cfg.model)
-        runner = LayerByLayer(static, context.calibration.samples)
+        runner = LayerByLayer(static, context.calibration.samples, context.device)
         group_o = params["n_heads"] == params.get("n_kv_heads", params["n_heads"])
         for i in tqdm(range(params["n_layers"]), desc="awq", unit="layer", leave=False):
             x = runner.run(i, advance=False)
             layer_loss = _LayerOutputLoss(static, runner, i, config.loss_samples)
             att, ffn = f"layers.{i}.attention", f"layers.{i}.feed_forward"
+            layer_keys = [k for k in state if k.startswith(f"layers.{i}.")]
+            state.update({k: state[k].to(runner.device) for k in layer_keys})  # computed where the inputs are
             groups = [(f"layers.{i}.attention_norm.weight", [f"{att}.wq.weight", f"{att}.wk.weight",
                                                              f"{att}.wv.weight"], "attn_in", True),
                       (f"layers.{i}.ffn_norm.weight", [f"{ffn}.w1.weight", f"{ffn}.w3.weight"], "ffn_in", True),
@@ -174,6 +176,7 @@ class Awq(GridSearchTransform):
                         state[n] = search_clip(state[n], grid_for(cfg.quant, n), tokens, config.clip_grid,
                                                config.clip_max_shrink)
             runner.run(i, inputs=(), advance=True)  # the module holds the scaled, unclipped (float) layer
+            state.update({k: state[k].cpu() for k in layer_keys})
         return dataclasses.replace(model, state_dict=state)
 
 
@@ -207,4 +210,4 @@ class _LayerOutputLoss:
 def _subsample(x: torch.Tensor, n: int) -> torch.Tensor:
     if x.shape[0] <= n:
         return x
-    return x[torch.linspace(0, x.shape[0] - 1, n).long()]
+    return x[torch.linspace(0, x.shape[0] - 1, n, device=x.device).long()]

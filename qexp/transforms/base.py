@@ -55,6 +55,8 @@ class TransformContext:
     # curves while a transform trains ({metric name: [(step, value), ...]} so far): a tracked run logs them as they
     # come; None: nobody watches
     progress: Optional[Callable[[Dict[str, list]], None]] = None
+    # where the algorithms compute (the run's `device`, qexp/device.py); their results come back as CPU tensors
+    device: Any = None
 
 
 @dataclass
@@ -76,6 +78,9 @@ class ModelTransform:
     # changes nothing but the linear weights and their exact ranges, choosing them for the low grid (weight clipping,
     # GPTQ): what a sensitivity analysis with low_weights=algorithms takes as the low precision
     rounds_weights: ClassVar[bool] = False
+    # computes on the run's device (context.device), so its result's fingerprint carries a CUDA device (CUDA rounds
+    # differently); False for one with its own device setting (QAT's `algorithm.qat.device`, in its settings)
+    follows_run_device: ClassVar[bool] = True
 
     def __init__(self, config: Any):
         self.config = config
@@ -125,8 +130,9 @@ class CalibrationAlgorithm(ModelTransform):
 
     acts_on = "calibration"
 
-    def calibrate(self, prepared, static, calibration) -> None:
-        """Run after the first calibration sample; leaves its result in the graph's observers."""
+    def calibrate(self, prepared, static, calibration, device) -> None:
+        """Run after the first calibration sample, with the prepared graph on `device` (its inputs go there);
+        leaves its result in the graph's observers."""
         raise NotImplementedError
 
 
@@ -231,7 +237,9 @@ def calibration_algorithms(transforms: List[ModelTransform]) -> List[Calibration
 def apply_transforms(model: "LoadedModel", transforms: List[ModelTransform],
                      context: TransformContext) -> "LoadedModel":
     """Apply the model transforms in order; each result's fingerprint is the hash of its input's and the
-    transform's (settings, calibration data, grid)."""
+    transform's (settings, calibration data, grid, and a CUDA device)."""
+    from qexp.device import device_key
+
     for transform in model_transforms(transforms):
         key = {**transform.fingerprint(), **transform.grid_dependency(context.cfg)}
         if transform.needs_calibration:
@@ -239,6 +247,8 @@ def apply_transforms(model: "LoadedModel", transforms: List[ModelTransform],
                 raise ConfigError(f"algorithm {transform.name} needs calibration data and has none",
                                   "use a calibration set with samples (calibration.limit >= 1)")
             key["calibration"] = context.calibration.sha256
+        if transform.follows_run_device and context.device is not None:
+            key.update(device_key(context.device))  # nothing for the CPU: fingerprints from before stay valid
         fingerprint = stable_hash([model.fingerprint, key], length=64)
         context.key = fingerprint
         with context.timer.stage(f"transform_{transform.name}"):

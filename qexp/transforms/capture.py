@@ -6,12 +6,16 @@ layer's input; after that, `run(i)` runs layer i on the current hidden states, r
 (with `advance`) makes its outputs the next layer's inputs. So a whole model costs one pass, and an algorithm that
 changes layer i's weights before advancing (GPTQ) gives layer i+1 the inputs of the already-quantized model.
 Only the real tokens of each sample are kept (short prompt samples are right-padded to the graph's AR length).
+
+On another device (the run's `device`) the static llama's tensors are swapped for device copies (the CPU tensors,
+which a LoadedModel may share, are untouched), and the hidden states and captured inputs live there: an algorithm
+computes on what `run` returns and brings its results back to the CPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Dict, Iterable, List
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional
 
 import torch
 
@@ -51,7 +55,12 @@ def private_static(model: "LoadedModel", max_context_len: int, model_cfg) -> "St
 
 class LayerByLayer:
     @torch.no_grad()
-    def __init__(self, static: "StaticLlama", samples: Iterable):
+    def __init__(self, static: "StaticLlama", samples: Iterable, device: Optional[torch.device] = None):
+        from qexp.device import move, to_device
+
+        self.device = device or torch.device("cpu")
+        if self.device.type != "cpu":
+            move(static.module, self.device)  # for good: the static llama is the algorithm's own
         self.static = static
         self.layers = static.module.layers
         samples = list(samples)
@@ -74,7 +83,7 @@ class LayerByLayer:
             for sample in samples:
                 recorded = []
                 try:
-                    static.module(*static.inputs(sample))
+                    static.module(*to_device(static.inputs(sample), self.device))
                 except _StopForward:
                     pass
                 self.side.append(recorded)

@@ -79,9 +79,9 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, grid: WeightGrid, damp: floa
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
-    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(w.shape[1])
+    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(w.shape[1], device=w.device)
     w, h, column_scale = w[:, perm], h[perm][:, perm], column_scale[:, perm]
-    h += damp * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], dtype=h.dtype)
+    h += damp * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     q = torch.zeros_like(w)
     cols = w.shape[1]
@@ -140,7 +140,7 @@ class Gptq(GridSearchTransform):
         state = dict(model.state_dict)
         ranges = dict(model.weight_ranges)
         static = private_static(model, cfg.export.max_context_len, cfg.model)
-        runner = LayerByLayer(static, context.calibration.samples)
+        runner = LayerByLayer(static, context.calibration.samples, context.device)
         for i in tqdm(range(model.params["n_layers"]), desc="gptq", unit="layer", leave=False):
             x = runner.run(i, advance=False)
             hessians = {name: hessian(v) for name, v in x.items()}
@@ -149,10 +149,10 @@ class Gptq(GridSearchTransform):
                 if grid is None or grid.bits >= 16:
                     continue
                 h = hessians[input_of(key)]
-                given = model.weight_ranges[key] / grid.qmax if key in model.weight_ranges else None
-                state[key], scales = gptq_quantize(state[key], h, grid, config.damp, config.block_size,
-                                                   config.act_order, config.static_groups, given)
-                ranges[key] = scales * grid.qmax
+                given = model.weight_ranges[key].to(h.device) / grid.qmax if key in model.weight_ranges else None
+                q, scales = gptq_quantize(state[key].to(h.device), h, grid, config.damp, config.block_size,
+                                          config.act_order, config.static_groups, given)
+                state[key], ranges[key] = q.cpu(), (scales * grid.qmax).cpu()  # the model's tensors stay on the CPU
             static.update_weights({k: state[k] for k in layer_linears(i)})
             runner.run(i, inputs=(), advance=True)  # the next layer reads this layer's quantized outputs
         return dataclasses.replace(model, state_dict=state, weight_ranges=ranges)

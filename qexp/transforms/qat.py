@@ -57,6 +57,7 @@ class Qat(GridSearchTransform):
     # 2: the weights fake-quantized once per optimizer step (gradients summed before the rounding's); 3: the trained
     # weights written back rounded onto their grid (fake_quant.detach)
     version = 3
+    follows_run_device = False  # trains on algorithm.qat.device (in its settings, so in its fingerprint)
     config_class = QatConfig
     sets_weight_ranges = True  # the scales it trained against, exactly
     uses_weight_ranges = True  # starts from an earlier weight_clip's or GPTQ's scales

@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from qexp.errors import ConfigError
 from qexp.transforms.base import ModelTransform, TransformConfig, register_transform
 
@@ -56,8 +58,10 @@ class Rotation(ModelTransform):
         args = model_args(model, context.cfg.export.max_context_len, context.cfg.export.max_context_len, r3=False)
         module = upstream.LlamaModel(args, ar_len=args.ar_len, output_new_cache_only=True, output_cache=True)
         module.load_state_dict(model.state_dict, strict=True)  # copies: tied embedding / lm head become two tensors
-        spinquant_rotate(module, r1=self.config.r1, r2=self.config.r2, seed=self.config.seed)
-        state = {k: v.detach().clone() for k, v in module.state_dict().items() if k in model.state_dict}
+        device = context.device or torch.device("cpu")
+        module.to(device)  # its own copies: the float64 products run on the run's device
+        spinquant_rotate(module, r1=self.config.r1, r2=self.config.r2, seed=self.config.seed, device=device)
+        state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if k in model.state_dict}
         return dataclasses.replace(model, state_dict=state)
 
 

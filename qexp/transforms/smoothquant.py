@@ -71,12 +71,13 @@ class SmoothQuant(ModelTransform):
 
         # the float function is unchanged by smoothing, so every layer's inputs come from the float model
         static = StaticLlama.for_model_config(model, context.cfg.export.max_context_len, context.cfg.model)
-        runner = LayerByLayer(static, context.calibration.samples)
+        runner = LayerByLayer(static, context.calibration.samples, context.device)
         for i in range(model.params["n_layers"]):
             x = runner.run(i, inputs=[input_name for _, _, input_name in SMOOTHED])
             for norm, linears, input_name in SMOOTHED:
                 norm, names = f"layers.{i}.{norm}.weight", [f"layers.{i}.{n}.weight" for n in linears]
-                s = smoothing_scales(x[input_name].abs().amax(0), [state[n] for n in names], self.config.alpha)
+                x_absmax = x[input_name].abs().amax(0).cpu()  # the captured inputs are on the run's device
+                s = smoothing_scales(x_absmax, [state[n] for n in names], self.config.alpha)
                 state[norm] = state[norm] / s
                 for n in names:
                     state[n] = state[n] * s

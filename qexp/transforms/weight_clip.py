@@ -162,10 +162,10 @@ class WeightClip(GridSearchTransform):
     def apply(self, model, context):
         c = self.config
         ranges = dict(model.weight_ranges)
-        runner = None
+        runner, device = None, context.device or torch.device("cpu")
         if c.objective == "outputs":  # the float model's inputs, layer by layer
             runner = LayerByLayer(private_static(model, context.cfg.export.max_context_len, context.cfg.model),
-                                  context.calibration.samples)
+                                  context.calibration.samples, device)
         for i in tqdm(range(model.params["n_layers"]), desc="weight_clip", unit="layer", leave=False):
             inputs = runner.run(i) if runner is not None else None
             grams = {}  # (input, block size) -> H blocks: q/k/v and gate/up read the same input
@@ -173,7 +173,7 @@ class WeightClip(GridSearchTransform):
                 grid = grid_for(context.cfg.quant, key)
                 if grid is None or grid.bits >= 16:
                     continue
-                w = model.state_dict[key]
+                w = model.state_dict[key].to(device)
                 if inputs is None:
                     scales = mse_scales(w, grid, c.n_grid, c.max_shrink, c.norm)
                 else:
@@ -181,5 +181,5 @@ class WeightClip(GridSearchTransform):
                     if gram_key not in grams:
                         grams[gram_key] = block_gram(inputs[gram_key[0]], gram_key[1])
                     scales = output_mse_scales(w, grams[gram_key], grid, c.n_grid, c.max_shrink)
-                ranges[key] = scales * grid.qmax
+                ranges[key] = (scales * grid.qmax).cpu()
         return dataclasses.replace(model, weight_ranges=ranges)

@@ -43,9 +43,11 @@ def speed_up_prepare() -> None:
     prepare._get_observer_kwargs = _shallow_observer_kwargs
 
 
-def spinquant_rotate(module, r1: bool, r2: bool, seed: int) -> None:
+def spinquant_rotate(module, r1: bool, r2: bool, seed: int, device="cpu") -> None:
     """R1 / R2 rotations of torchao's SpinQuant (prototype.spinquant) on ExecuTorch's Meta-named Llama module, in
-    place, without the embedding mean-centring and with seeded Hadamard signs.
+    place, without the embedding mean-centring and with seeded Hadamard signs. The module may be on another
+    `device`; the Hadamard matrices are drawn with the CPU's generator (a CUDA generator draws other signs for the
+    same seed) and moved there.
 
     Private reach: torchao's public `apply_spinquant` centres the embeddings (function-changing for RMSNorm models)
     and fixes the Hadamard seed at 0, so the fusing and rotating steps are called directly (`_rotate_model_r1/_r2`).
@@ -68,9 +70,9 @@ def spinquant_rotate(module, r1: bool, r2: bool, seed: int) -> None:
             embedding = module.tok_embeddings.weight.data.clone()
             sq.fuse_layernorm_into_linear(module, qkv_split=True)
             module.tok_embeddings.weight.data = embedding  # undo the centring
-            sq._rotate_model_r1(module, random_hadamard_matrix(dim, "cpu", seed=seed), qkv_split=True)
+            sq._rotate_model_r1(module, random_hadamard_matrix(dim, "cpu", seed=seed).to(device), qkv_split=True)
         if r2:
-            r2s = [random_hadamard_matrix(module.config.head_dim, "cpu", seed=seed + 1 + i)
+            r2s = [random_hadamard_matrix(module.config.head_dim, "cpu", seed=seed + 1 + i).to(device)
                    for i in range(len(module.layers))]
             sq._rotate_model_r2(module, r2s, qkv_split=True)
     del module.config
