@@ -23,6 +23,7 @@ from helpers import REPO, TINY, free_port
 pytestmark = pytest.mark.slow
 
 SERVICES = REPO / "scripts" / "services"
+STORE_ADDRESS = "127.0.0.2"
 
 
 def _service(script: str, command: str, env: dict) -> subprocess.CompletedProcess:
@@ -35,8 +36,11 @@ def services_env():
     """A scratch QEXP_SERVICES_DIR (world-traversable: PostgreSQL and MariaDB run as their own users) and free ports."""
     folder = tempfile.mkdtemp(prefix="qexp-services-")
     os.chmod(folder, 0o755)
+    # the store listens on 127.0.0.2 and is named by it, as a compute node names the store's host (never 127.0.0.1,
+    # which MLflow's Host-header guard lets through by default); store-host is an alias the cluster's DNS would give
     env = {**os.environ, "QEXP_SERVICES_DIR": folder, "QEXP_PG_PORT": str(free_port()),
-           "QEXP_MLFLOW_PORT": str(free_port())}
+           "QEXP_MLFLOW_PORT": str(free_port()), "QEXP_MLFLOW_HOST": STORE_ADDRESS,
+           "QEXP_MLFLOW_ALLOWED_HOSTS": "store-host"}
     yield env
     for script in ("mlflow_server.sh", "postgres.sh", "slurm.sh"):
         _service(script, "stop", env)
@@ -59,6 +63,23 @@ def slurm(services_env):
         pytest.skip(f"no SLURM cluster here: {(started.stderr.strip().splitlines() or ['?'])[-1]}")
     conf = started.stdout.strip().splitlines()[-1].split("=", 1)[1]
     return {**services_env, "SLURM_CONF": conf}
+
+
+def test_the_store_answers_to_its_hosts_names_and_refuses_others(team_store):
+    """Clients name the store by its host: the listening address, the host's own name and a configured alias are
+    served; any other Host header is refused (MLflow's DNS-rebinding guard stays on)."""
+    import socket
+    from urllib.parse import urlparse
+
+    import requests
+
+    assert urlparse(team_store).hostname == STORE_ADDRESS
+    port = urlparse(team_store).port
+    api = f"{team_store}/api/2.0/mlflow/experiments/search?max_results=1"
+    for name in (STORE_ADDRESS, socket.gethostname(), "store-host"):
+        assert requests.get(api, headers={"Host": f"{name}:{port}"}, timeout=30).status_code == 200, name
+    refused = requests.get(api, headers={"Host": f"rebinding.example:{port}"}, timeout=30)
+    assert refused.status_code == 403 and "Invalid Host header" in refused.text
 
 
 def _runs(uri: str, experiment: str):
