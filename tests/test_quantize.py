@@ -148,3 +148,36 @@ def test_full_4bit_weight_range(setup, compose, tmp_path, scheme):
     assert ranges.count((-8, 7)) == 14 and (-7, 7) not in ranges, ranges  # q, k, v, o, w1, w2, w3 x 2 layers
     assert any(qmax == 127 for _, qmax in ranges)  # the lm head (16a8w override) keeps 8 bits
     assert low_used == 14  # each layer has a weight at -8 (its row's most negative absmax lands there)
+
+
+@pytest.mark.parametrize("scheme", ["16a4w", "16a4w_block", "16a8w", "16a16w"])
+def test_converting_in_row_chunks_gives_convert_pt2es_program(setup, compose, tmp_path, monkeypatch, scheme):
+    """The QDQ program folds its weights' quantize ops a few rows at a time (no full-size float temporaries): with
+    8 rows per chunk, so every weight of the tiny model is split, its integer weights and outputs equal torchao's
+    convert_pt2e's, per tensor (the embedding), per channel, per block (LPBQ)."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
+    from qexp.quant.calibrate import OBSERVERS, load_observer_statistics, prepare
+    from qexp.timing import StageTimer
+    from qexp.upstream import private_quantize
+
+    static, calibration, windows, _ = setup
+    cfg = compose(TINY + [f"quant={scheme}"])
+    monkeypatch.setattr(private_quantize, "ROWS_PER_CHUNK", 8)
+    chunked = quantize(static, cfg.quant, cfg.observer, calibration, Cache(tmp_path), key="k", soc="SM8650")
+    with torch.no_grad():
+        prepared = prepare(static, cfg.quant, cfg.observer, "SM8650", True, StageTimer())
+        load_observer_statistics(prepared, torch.load(chunked.stats_path, weights_only=True))
+        whole = convert_pt2e(prepared)
+    assert chunked.stats_path.name == OBSERVERS
+
+    def integers(module):
+        return {n: t for n, t in module.named_buffers() if n.startswith("_frozen_param")}
+
+    ours, theirs = integers(chunked.module), integers(whole)
+    assert ours.keys() == theirs.keys() and len(ours) >= 14
+    assert any(t.shape[0] > 8 for t in ours.values())  # split into chunks
+    for name in ours:
+        assert ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name]), name
+    ids = windows.ids[0]
+    assert torch.equal(window_logits(chunked.module, static, ids), window_logits(whole, static, ids))

@@ -52,7 +52,7 @@ def quantize(
     """Export the static llama, prepare it with the recipe's QnnQuantizer for `soc`, calibrate on `device` (running
     the calibration-time `algorithms`, e.g. SeqMSE, after the first sample, as upstream), hand over exact weight
     ranges (`static.weight_ranges`), convert (cached). The export and the convert run on the CPU."""
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+    from qexp.upstream.private_quantize import convert_in_chunks
 
     timer = timer or StageTimer()
     device = device or torch.device("cpu")
@@ -100,7 +100,7 @@ def quantize(
             # what they would quantize is empty: those are expected (the deploy graphs take the caches' encodings
             # from the cache outputs instead).
             warnings.filterwarnings("ignore", message="must run observer before calling calculate_qparams")
-            module = convert_pt2e(prepared)
+            module = convert_in_chunks(prepared)  # convert_pt2e's program, without its big temporaries
     forget_prepared_modules()
     return QuantizedModel(module, path / OBSERVERS, key, hit)
 

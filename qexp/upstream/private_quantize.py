@@ -123,3 +123,115 @@ def seq_mse_search(prepared, forward, candidates: int):
             found.append((observer, float(module.best_candidate_step)))
             delattr(prepared, name)  # it holds a copy of the weight
     return found
+
+
+# ---------------------------------------------------------------- converting with less memory
+ROWS_PER_CHUNK = 4096  # rows of a weight quantized at a time when folding (a 1B model's embedding has 128,256)
+
+
+def convert_in_chunks(prepared):
+    """`convert_pt2e(prepared)` that folds each weight's quantize op without computing what it need not: the same
+    program (the integers and the graph convert_pt2e makes), without its transient float copies of the weights.
+
+    torchao's constant folding computes every node whose inputs are constant before deciding whether to fold it, so
+    each weight's dequantize op (which stays in the graph) is run once and thrown away: a float copy of every weight
+    with the op's temporaries. On the `shape_llama3_2_1b` preset that made convert's peak 12.4 GiB over 7.2 GiB before
+    it (measured). Here a dequantize node is never computed (its value is unknown to the folder, as its purity check
+    would leave it), and each quantize op runs a block of rows at a time (`_in_row_chunks`: the decomposed ops quantize
+    each element on its own, so the integers are the same).
+
+    Private reach: torchao's `ConstantFolder` and `replace_node_with_constant` (its constant folding, which names the
+    integer weights `_frozen_paramN`, as convert does) and `_quant_node_constraint` (which quantize ops convert folds);
+    the body of `_fold` is torchao 0.18's `constant_fold`. Tested by tests/test_quantize.py (the program's integers
+    and outputs equal convert_pt2e's), which fails if these change."""
+    from torchao.quantization.pt2e.quantize_pt2e import _quant_node_constraint, convert_pt2e
+
+    model = convert_pt2e(prepared, fold_quantize=False)
+    chunked = {}
+    for node in model.graph.nodes:
+        if _quant_node_constraint(node):
+            chunked.setdefault(node.target, _in_row_chunks(node.target))
+            node.target = chunked[node.target]
+    folded = set(chunked.values())
+    _fold(model, lambda n: n.op == "call_function" and n.target in folded)
+    for node in model.graph.nodes:  # a quantize op left unfolded (an activation's) gets its own op back
+        if node.op == "call_function" and node.target in folded:
+            node.target = node.target.op
+    model.recompile()
+    return model
+
+
+def _fold(gm, constraint_fn) -> None:
+    import torch
+    from torchao.quantization.pt2e.constant_fold import ConstantFolder, replace_node_with_constant
+
+    dequantize_ops = {torch.ops.quantized_decomposed.dequantize_per_channel.default,
+                      torch.ops.quantized_decomposed.dequantize_per_tensor.default,
+                      torch.ops.quantized_decomposed.dequantize_per_tensor.tensor,
+                      torch.ops.torchao.dequantize_affine}
+
+    class Folder(ConstantFolder):
+        def run_node(self, node):
+            if node.op == "call_function" and node.target in dequantize_ops:
+                return self.unknown_value  # stays in the graph: its float result is never needed here
+            return super().run_node(node)
+
+    with torch.utils._python_dispatch._disable_current_modes():
+        cf = Folder(gm, skip_constructors=True)
+        cf.run()
+        for node, constant in cf.node_replacements.items():
+            if constraint_fn(node):
+                replace_node_with_constant(gm, node, constant)
+        erased = []
+        for node in gm.graph.find_nodes(op="get_attr"):
+            if len(node.users) == 0:
+                if hasattr(gm, node.target):
+                    delattr(gm, node.target)
+                erased.append(node)
+        for node in erased:
+            gm.graph.erase_node(node)
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+
+
+class _in_row_chunks:
+    """A quantize op applied to rows [i, i + ROWS_PER_CHUNK) of its input at a time, when its parameters are one
+    value (per tensor) or one per row (per channel on axis 0, or per block with one row per block); whole otherwise."""
+
+    def __init__(self, op):
+        self.op = op
+        self.__name__ = f"in_row_chunks_{getattr(op, '__name__', 'op')}"
+
+    def __call__(self, x, *args, **kwargs):
+        import torch
+
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] <= ROWS_PER_CHUNK or kwargs:
+            return self.op(x, *args, **kwargs)
+        per_row = self._per_row_arguments(x, args)
+        if per_row is None:
+            return self.op(x, *args)
+        out = None
+        for start in range(0, x.shape[0], ROWS_PER_CHUNK):
+            rows = slice(start, start + ROWS_PER_CHUNK)
+            part = self.op(x[rows], *[a[rows] if i in per_row else a for i, a in enumerate(args)])
+            if out is None:
+                out = torch.empty(x.shape, dtype=part.dtype)
+            out[rows] = part
+        return out
+
+    def _per_row_arguments(self, x, args):
+        """Indexes of `args` to slice with the rows; None when the op's parameters do not split by rows."""
+        import torch
+
+        name = str(self.op)
+        if "quantize_per_tensor" in name:
+            return set() if all(not isinstance(a, torch.Tensor) or a.numel() == 1 for a in args) else None
+        if "quantize_per_channel" in name:  # (scales, zero_points, axis, ...)
+            return {0, 1} if args[2] == 0 and args[0].shape[0] == x.shape[0] else None
+        if "quantize_affine" in name:  # (block_size, scale, zero_point, ...)
+            block, scale, zero_point = args[0], args[1], args[2]
+            rows_ok = block[0] == 1 and scale.dim() == x.dim() and scale.shape[0] == x.shape[0]
+            zp_ok = zero_point is None or (zero_point.dim() == x.dim() and zero_point.shape[0] == x.shape[0])
+            return ({1} | ({2} if zero_point is not None else set())) if rows_ok and zp_ok else None
+        return None
