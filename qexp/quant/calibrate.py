@@ -26,7 +26,7 @@ from qexp.models.static_llama import StaticLlama
 from qexp.quant.lpbq import quantize_observer_scales
 from qexp.quant.recipe import make_quantizer
 from qexp.timing import StageTimer
-from qexp.upstream.private_quantize import forget_prepared_modules
+from qexp.upstream.private_quantize import convert_in_chunks, forget_prepared_modules
 
 log = logging.getLogger("qexp")
 
@@ -52,8 +52,6 @@ def quantize(
     """Export the static llama, prepare it with the recipe's QnnQuantizer for `soc`, calibrate on `device` (running
     the calibration-time `algorithms`, e.g. SeqMSE, after the first sample, as upstream), hand over exact weight
     ranges (`static.weight_ranges`), convert (cached). The export and the convert run on the CPU."""
-    from qexp.upstream.private_quantize import convert_in_chunks
-
     timer = timer or StageTimer()
     device = device or torch.device("cpu")
 

@@ -13,7 +13,7 @@ from qexp.models.static_llama import StaticLlama
 from qexp.quant.calibrate import EXPORT_STRICT, load_observer_statistics, observer_statistics
 from qexp.quant.recipe import make_quantizer
 from qexp.upstream.private import tree_leaves
-from qexp.upstream.private_quantize import forget_prepared_modules
+from qexp.upstream.private_quantize import convert_in_chunks, forget_prepared_modules
 
 
 def io_bits(qrange) -> int:
@@ -26,7 +26,7 @@ def quantized_graph(
     soc: str, masked_softmax: bool = False,
 ):
     """The static llama for `ar_len`, quantized with the calibration graph's observer statistics."""
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
     static = StaticLlama(model, context, r3=r3, ar_len=ar_len, masked_softmax=masked_softmax)
     example = static.example_inputs()
@@ -46,7 +46,7 @@ def quantized_graph(
     load_observer_statistics(prepared, stats)
     _tie_cache_inputs_to_outputs(prepared, static.n_layers)
     with torch.no_grad():
-        converted = convert_pt2e(prepared)
+        converted = convert_in_chunks(prepared)  # convert_pt2e's program without its float copies (as the QDQ one)
     forget_prepared_modules()
     drop_unused_attributes(converted)
     return converted, static
