@@ -142,7 +142,7 @@ def test_calibration_algorithms_search_against_lpbq_block_scales(compose):
     class Probe:
         name = "probe"
 
-        def calibrate(self, prepared, static, calibration):
+        def calibrate(self, prepared, static, calibration, device):
             for observer in weight_observers(prepared).values():
                 if is_block_observer(observer):
                     scale, _ = observer.calculate_qparams()
