@@ -88,9 +88,10 @@ def test_the_store_answers_to_its_hosts_names_and_refuses_others(team_store):
     assert urlparse(team_store).hostname == STORE_ADDRESS
     port = urlparse(team_store).port
     api = f"{team_store}/api/2.0/mlflow/experiments/search?max_results=1"
+    login = (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"])
     for name in (STORE_ADDRESS, socket.gethostname(), "store-host"):
-        assert requests.get(api, headers={"Host": f"{name}:{port}"}, timeout=30).status_code == 200, name
-    refused = requests.get(api, headers={"Host": f"rebinding.example:{port}"}, timeout=30)
+        assert requests.get(api, headers={"Host": f"{name}:{port}"}, auth=login, timeout=30).status_code == 200, name
+    refused = requests.get(api, headers={"Host": f"rebinding.example:{port}"}, auth=login, timeout=30)
     assert refused.status_code == 403 and "Invalid Host header" in refused.text
 
 
