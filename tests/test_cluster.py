@@ -301,6 +301,10 @@ def test_a_sweep_of_real_slurm_jobs(slurm, team_store, compose, tmp_path):
     parent = [r for r in _runs(team_store, "slurm") if r.data.tags.get("qexp.role") == "sweep"][0]
     assert parent.data.tags["launcher"].endswith("qexp_slurm_launcher.launcher.SlurmLauncher")
     assert parent.data.metrics["jobs_total"] == 6 and parent.info.status == "FAILED"
+    # the jobs logged in through the environment they inherited: the password is in no job script, log or output
+    password = slurm["MLFLOW_TRACKING_PASSWORD"]
+    written = [p for p in (tmp_path / "sweep").rglob("*") if p.is_file() and password in p.read_text(errors="ignore")]
+    assert not written and password not in stdout + stderr, written
 
     # the re-run, the cache entries free now and a longer time limit: what finished is skipped, the rest runs
     rerun = sweep("rerun", timeout_min=5)
