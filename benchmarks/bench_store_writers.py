@@ -145,9 +145,19 @@ def postgresql_server():
                              text=True)
     if started.returncode != 0:
         raise SystemExit(f"[bench] no PostgreSQL-backed server: {started.stderr.strip()}")
+    # the writers log in as the store's admin (the server asks every request for a login, as a team store does)
+    login = {"MLFLOW_TRACKING_USERNAME": "admin",
+             "MLFLOW_TRACKING_PASSWORD": (Path(folder) / "mlflow-admin-password").read_text().strip()}
+    saved = {k: os.environ.get(k) for k in login}
+    os.environ.update(login)
     try:
         yield started.stdout.strip().splitlines()[-1]
     finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         for script in ("mlflow_server.sh", "postgres.sh"):
             subprocess.run(["bash", str(scripts / script), "stop"], env=env, capture_output=True)
         shutil.rmtree(folder, ignore_errors=True)

@@ -48,15 +48,27 @@ def services_env():
 
 @pytest.fixture(scope="module")
 def team_store(services_env):
-    """An MLflow server on PostgreSQL with served artifacts: its URL."""
+    """An MLflow server on PostgreSQL with served artifacts and logins: its URL. The tests (and the jobs they start,
+    through the environment) log in as its admin, as a lab's own account would."""
     started = _service("mlflow_server.sh", "start", services_env)
     if started.returncode != 0:
         pytest.skip(f"no PostgreSQL-backed MLflow server here: {started.stderr.strip().splitlines()[-1]}")
-    return started.stdout.strip().splitlines()[-1]
+    login = {"MLFLOW_TRACKING_USERNAME": "admin",
+             "MLFLOW_TRACKING_PASSWORD": Path(services_env["QEXP_SERVICES_DIR"], "mlflow-admin-password").read_text()
+             .strip()}
+    services_env.update(login)
+    saved = {k: os.environ.get(k) for k in login}
+    os.environ.update(login)
+    yield started.stdout.strip().splitlines()[-1]
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(scope="module")
-def slurm(services_env):
+def slurm(services_env, team_store):
     """A single-node SLURM cluster: the environment its clients need (SLURM_CONF)."""
     started = _service("slurm.sh", "start", services_env)
     if started.returncode != 0:
@@ -76,10 +88,79 @@ def test_the_store_answers_to_its_hosts_names_and_refuses_others(team_store):
     assert urlparse(team_store).hostname == STORE_ADDRESS
     port = urlparse(team_store).port
     api = f"{team_store}/api/2.0/mlflow/experiments/search?max_results=1"
+    login = (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"])
     for name in (STORE_ADDRESS, socket.gethostname(), "store-host"):
-        assert requests.get(api, headers={"Host": f"{name}:{port}"}, timeout=30).status_code == 200, name
-    refused = requests.get(api, headers={"Host": f"rebinding.example:{port}"}, timeout=30)
+        assert requests.get(api, headers={"Host": f"{name}:{port}"}, auth=login, timeout=30).status_code == 200, name
+    refused = requests.get(api, headers={"Host": f"rebinding.example:{port}"}, auth=login, timeout=30)
     assert refused.status_code == 403 and "Invalid Host header" in refused.text
+
+
+def _login(name: str, password: str) -> dict:
+    return {**os.environ, "MLFLOW_TRACKING_USERNAME": name, "MLFLOW_TRACKING_PASSWORD": password}
+
+
+def test_the_store_lets_in_only_who_belongs(team_store, services_env, tmp_path):
+    """Logins on the served store: no login is refused (401); the admin adds two users with qexp.store; alice's qexp
+    run logs normally; bob reads alice's experiment but can neither write to it nor delete her run (403) until the
+    admin grants him edit; bob's qexp run there, and a wrong password, are one line each; the
+    admin's password is in no process listing, log, param, tag, artifact or terminal."""
+    import requests
+
+    admin_password = services_env["MLFLOW_TRACKING_PASSWORD"]
+    api = f"{team_store}/api/2.0/mlflow"
+    assert requests.get(f"{api}/experiments/search?max_results=1", timeout=30).status_code == 401
+    passwords = {}
+    for name in ("alice", "bob"):
+        added = subprocess.run([sys.executable, "-m", "qexp.store", "--uri", team_store, "user", "add", name,
+                                "--password-file", str(tmp_path / name)], cwd=REPO, env=services_env,
+                               capture_output=True, text=True, timeout=120)
+        assert added.returncode == 0, added.stderr
+        assert oct(os.stat(tmp_path / name).st_mode & 0o777) == "0o600"
+        passwords[name] = (tmp_path / name).read_text().strip()
+        assert passwords[name] not in added.stdout + added.stderr
+    run = [sys.executable, "-m", "qexp", *TINY, "tracking=server", f"tracking.uri={team_store}",
+           "tracking.experiment=alice_exp", f"cache_dir={tmp_path / 'cache'}"]
+    alice = subprocess.run(run, cwd=REPO, env=_login("alice", passwords["alice"]), capture_output=True, text=True,
+                           timeout=900)
+    assert alice.returncode == 0, alice.stderr[-2000:]
+    [alice_run] = _runs(team_store, "alice_exp")
+    experiment_id = alice_run.info.experiment_id
+    bob = ("bob", passwords["bob"])
+    assert requests.get(f"{api}/runs/get", params={"run_id": alice_run.info.run_id}, auth=bob, timeout=30).ok
+    create = {"experiment_id": experiment_id, "start_time": 0}
+    assert requests.post(f"{api}/runs/create", json=create, auth=bob, timeout=30).status_code == 403
+    assert requests.post(f"{api}/runs/delete", json={"run_id": alice_run.info.run_id}, auth=bob,
+                         timeout=30).status_code == 403
+    started = time.time()
+    refused = subprocess.run(run, cwd=REPO, env=_login(*bob), capture_output=True, text=True, timeout=300)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("qexp: error:")]
+    assert refused.returncode != 0 and len(errors) == 1 and time.time() - started < 60, refused.stderr[-2000:]
+    assert "refused user 'bob': no permission to write a run to experiment 'alice_exp'" in errors[0]
+    wrong = subprocess.run(run, cwd=REPO, env=_login("alice", "not-her-password"), capture_output=True, text=True,
+                           timeout=300)
+    assert wrong.returncode != 0 and "refused user 'alice': not logged in" in wrong.stderr, wrong.stderr[-2000:]
+    granted = subprocess.run([sys.executable, "-m", "qexp.store", "--uri", team_store, "grant", "alice_exp", "bob",
+                              "edit"], cwd=REPO, env=services_env, capture_output=True, text=True, timeout=120)
+    assert granted.returncode == 0, granted.stderr
+    assert requests.post(f"{api}/runs/create", json=create, auth=bob, timeout=30).ok
+    # the admin's password: in no process's command line, the server's log, the run's record or any output
+    listing = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    server_log = Path(services_env["QEXP_SERVICES_DIR"], "log", "mlflow.log").read_text()
+    client = MlflowClient(team_store)
+    record = str(alice_run.data.params) + str(alice_run.data.tags)
+    artifacts = ""
+    for name in ("config.yaml", "run.log"):
+        artifacts += Path(client.download_artifacts(alice_run.info.run_id, name, str(tmp_path))).read_text()
+    for where, text in (("ps", listing), ("mlflow.log", server_log), ("params/tags", record),
+                        ("artifacts", artifacts), ("output", alice.stdout + alice.stderr + refused.stderr)):
+        assert admin_password not in text and passwords["alice"] not in text, where
+
+
+def test_serving_beyond_loopback_without_logins_is_refused(services_env):
+    out = _service("mlflow_server.sh", "start", {**services_env, "QEXP_MLFLOW_AUTH": "off",
+                                                 "QEXP_MLFLOW_HOST": "0.0.0.0"})
+    assert out.returncode != 0 and "QEXP_MLFLOW_TRUSTED_NETWORK=1" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
 
 
 def _runs(uri: str, experiment: str):
@@ -220,6 +301,10 @@ def test_a_sweep_of_real_slurm_jobs(slurm, team_store, compose, tmp_path):
     parent = [r for r in _runs(team_store, "slurm") if r.data.tags.get("qexp.role") == "sweep"][0]
     assert parent.data.tags["launcher"].endswith("qexp_slurm_launcher.launcher.SlurmLauncher")
     assert parent.data.metrics["jobs_total"] == 6 and parent.info.status == "FAILED"
+    # the jobs logged in through the environment they inherited: the password is in no job script, log or output
+    password = slurm["MLFLOW_TRACKING_PASSWORD"]
+    written = [p for p in (tmp_path / "sweep").rglob("*") if p.is_file() and password in p.read_text(errors="ignore")]
+    assert not written and password not in stdout + stderr, written
 
     # the re-run, the cache entries free now and a longer time limit: what finished is skipped, the rest runs
     rerun = sweep("rerun", timeout_min=5)

@@ -29,6 +29,7 @@ from qexp.tracking.naming import (
     NOTE_TAG,
     failed_description,
 )
+from qexp.tracking.logins import raise_if_refused
 from qexp.tracking.redact import redact, redact_text
 from qexp.tracking.ui_view import VIEW_TAG, view_json
 
@@ -154,6 +155,7 @@ class Tracker:
             with _sqlite_initialised_once(self.uri):
                 experiment_id = self._experiment_id()
         except Exception as exc:  # noqa: BLE001 - any store failure is the user's store, reported in one line
+            raise_if_refused(self.uri, exc, f"read experiment {self.cfg.experiment!r}")
             raise TrackingError(
                 f"MLflow store {redact_text(self.uri)} is not usable: {type(exc).__name__}: "
                 f"{redact_text(str(exc).splitlines()[0][:200])}",
@@ -211,7 +213,11 @@ class Tracker:
         from qexp.tracking.liveness import owner_tags
 
         experiment_id = self.connect()
-        self.run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags={**tags, **owner_tags()})
+        try:
+            self.run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags={**tags, **owner_tags()})
+        except Exception as exc:  # noqa: BLE001 - a login the store refuses is one line; anything else as it was
+            raise_if_refused(self.uri, exc, f"write a run to experiment {self.cfg.experiment!r}")
+            raise
         log.info("MLflow run %s in %s (experiment %s)", self.run.info.run_id, redact_text(self.uri),
                  self.cfg.experiment)
         return self.run.info.run_id

@@ -12,6 +12,13 @@
 # cluster's DNS, a load balancer's name). Browsers on those names may call it too (--cors-allowed-origins).
 # `url` (and `start`) print the URL clients should use: http://<hostname -f>:PORT when it listens on 0.0.0.0, else
 # the listening address.
+# Logins (QEXP_MLFLOW_AUTH, default on): MLflow's basic-auth app, its users and permissions in PostgreSQL (database
+# mlflowauth), every user reads every experiment and changes only those they own or are granted (default_permission
+# READ). The admin's password is generated on the first start into $QEXP_SERVICES_DIR/mlflow-admin-password (owner
+# only; user `admin`) and reaches the server through its environment, never a command line, a log or the store.
+# Clients log in with MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD; `python -m qexp.store user add NAME` and
+# `grant EXPERIMENT NAME edit` manage users. QEXP_MLFLOW_AUTH=off serves without logins, on loopback only unless
+# QEXP_MLFLOW_TRUSTED_NETWORK=1 says everyone who can reach the port may read and delete every run.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -44,21 +51,57 @@ origins() {
   host_names | tr ',' '\n' | grep ":$PORT$" | sed 's|^|http://|' | paste -sd, -
 }
 
+AUTH=${QEXP_MLFLOW_AUTH:-on}
+
+# auth_config: the basic-auth app's settings file (owner only: it holds the database URI and its password)
+auth_config() {
+  (umask 077
+   [ -s "$D/mlflow-admin-password" ] || head -c 24 /dev/urandom | base64 | tr -d '/+=' > "$D/mlflow-admin-password"
+   # the key the workers sign their CSRF tokens with: one for all workers, kept across restarts
+   [ -s "$D/mlflow-secret-key" ] || head -c 32 /dev/urandom | base64 | tr -d '/+=' > "$D/mlflow-secret-key"
+   cat > "$D/mlflow-auth.ini" <<INI
+[mlflow]
+default_permission = READ
+database_uri = $("$(dirname "$0")/postgres.sh" auth-uri)
+admin_username = admin
+authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+INI
+  )
+}
+
 start() {
+  case "$AUTH" in
+    on) ;;
+    off) case "$HOST" in
+           127.*|localhost|::1) ;;
+           *) [ "${QEXP_MLFLOW_TRUSTED_NETWORK:-0}" = 1 ] || die "serving on $HOST without logins is refused: anyone \
+who can reach the port could read and delete every run. Keep QEXP_MLFLOW_AUTH=on (the default), or set \
+QEXP_MLFLOW_TRUSTED_NETWORK=1 if everyone on that network may" ;;
+         esac ;;
+    *) die "QEXP_MLFLOW_AUTH=$AUTH: use on (the default) or off" ;;
+  esac
   if [ -s "$D/mlflow.pid" ] && kill -0 "$(cat "$D/mlflow.pid")" 2>/dev/null; then echo "$URL"; return 0; fi
-  local store
+  local store app=()
   store=$("$(dirname "$0")/postgres.sh" start)
+  if [ "$AUTH" = on ]; then
+    auth_config
+    app=(--app-name basic-auth)
+  fi
   # MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false: no GenAI job consumers (dozens of idle processes)
   # setsid: the server and its workers form one process group, stopped (or killed by a test) together
-  # the store URI (with its password) through the environment, not the command line that `ps` shows
-  MLFLOW_BACKEND_STORE_URI=$store MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false setsid nohup "$REPO/.venv/bin/mlflow" \
-    server --serve-artifacts --artifacts-destination "$D/artifacts" \
+  # the store URI and the admin password (both secrets) through the environment, not the command line `ps` shows
+  MLFLOW_BACKEND_STORE_URI=$store MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false MLFLOW_AUTH_CONFIG_PATH="$D/mlflow-auth.ini" \
+    MLFLOW_AUTH_ADMIN_PASSWORD=$([ "$AUTH" = on ] && cat "$D/mlflow-admin-password") \
+    MLFLOW_FLASK_SERVER_SECRET_KEY=$([ "$AUTH" = on ] && cat "$D/mlflow-secret-key") \
+    setsid nohup "$REPO/.venv/bin/mlflow" server "${app[@]}" --serve-artifacts --artifacts-destination "$D/artifacts" \
     --host "$HOST" --port "$PORT" --workers "${QEXP_MLFLOW_WORKERS:-4}" \
     --allowed-hosts "$(host_names)" --cors-allowed-origins "$(origins)" > "$D/log/mlflow.log" 2>&1 &
   echo $! > "$D/mlflow.pid"
   for _ in $(seq 600); do
     if curl -sf "$LOCAL/health" >/dev/null 2>&1; then
       say "MLflow server on PostgreSQL up at $URL after $(elapsed) s" >&2
+      [ "$AUTH" = on ] && say "logins on: user admin, password in $D/mlflow-admin-password; add users with" \
+        "python -m qexp.store user add NAME (docs/cluster.md)" >&2
       echo "$URL"
       return 0
     fi

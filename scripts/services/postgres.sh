@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # A PostgreSQL server for a team MLflow store, on loopback, without systemd (Debian's postgresql, started by
-# pg_ctl). Its data, socket and log live in $QEXP_SERVICES_DIR/pg*; a role and database `mlflow` are created once,
-# with a random password kept in $QEXP_SERVICES_DIR/pg-password.
+# pg_ctl). Its data, socket and log live in $QEXP_SERVICES_DIR/pg*; a role `mlflow` and its databases `mlflowdb`
+# (runs) and `mlflowauth` (the MLflow server's users and permissions) are created once, with a random password kept
+# in $QEXP_SERVICES_DIR/pg-password (readable by its owner only).
 #   scripts/services/postgres.sh start   # prints the store URI (postgresql+psycopg2://...)
-#   scripts/services/postgres.sh uri | stop | status
+#   scripts/services/postgres.sh uri | auth-uri | stop | status
 # QEXP_PG_PORT: its port (default 54329).
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -11,7 +12,7 @@ PORT=${QEXP_PG_PORT:-54329}
 pgbin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1; }
 # postgres refuses to run as root: as root it runs as the postgres user, otherwise as this user
 as_pg() { if [ "$(id -u)" = 0 ]; then su postgres -s /bin/sh -c "$*"; else sh -c "$*"; fi; }
-uri() { echo "postgresql+psycopg2://mlflow:$(cat "$D/pg-password")@127.0.0.1:$PORT/mlflowdb"; }
+uri() { echo "postgresql+psycopg2://mlflow:$(cat "$D/pg-password")@127.0.0.1:$PORT/${1:-mlflowdb}"; }
 
 start() {
   [ -n "$(pgbin)" ] || need_debian /usr/lib/postgresql/15/bin/postgres postgresql
@@ -37,6 +38,7 @@ DO \$\$ BEGIN
 END \$\$;
 ALTER ROLE mlflow PASSWORD '$(cat "$D/pg-password")';
 SELECT 'CREATE DATABASE mlflowdb OWNER mlflow' WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = 'mlflowdb')\gexec
+SELECT 'CREATE DATABASE mlflowauth OWNER mlflow' WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = 'mlflowauth')\gexec
 SQL
   say "PostgreSQL up on 127.0.0.1:$PORT after $(elapsed) s" >&2
   uri
@@ -53,6 +55,7 @@ case "${1:-}" in
   start) start ;;
   stop) stop ;;
   uri) uri ;;
+  auth-uri) uri mlflowauth ;;
   status) as_pg "$(pgbin)/pg_ctl -D '$D/pg' status" ;;
   *) die "usage: $0 start|stop|uri|status" ;;
 esac

@@ -1,0 +1,56 @@
+"""The served store's logins, for its admin (MLFLOW_TRACKING_USERNAME=admin, MLFLOW_TRACKING_PASSWORD from the
+file scripts/services/mlflow_server.sh wrote):
+
+    python -m qexp.store user add NAME [--password-file FILE]   # a generated password, written to FILE (owner only)
+    python -m qexp.store grant EXPERIMENT NAME read|edit|manage|none
+
+The store is MLFLOW_TRACKING_URI (or --uri). Every user reads every experiment and changes the ones they created;
+`grant` gives another user edit (or manage) on one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from qexp.errors import QexpError
+
+
+def main(argv=None) -> int:
+    from qexp.tracking.logins import PERMISSIONS, add_user, grant
+
+    parser = argparse.ArgumentParser(prog="python -m qexp.store", description=__doc__.splitlines()[0])
+    parser.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
+                        help="the store (default: MLFLOW_TRACKING_URI)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    user = commands.add_parser("user", help="add a user").add_subparsers(dest="action", required=True)
+    add = user.add_parser("add", help="create a user with a generated password")
+    add.add_argument("name")
+    add.add_argument("--password-file", type=Path, help="where the password goes (default: ./NAME.mlflow-password)")
+    granted = commands.add_parser("grant", help="give a user a permission on an experiment")
+    granted.add_argument("experiment")
+    granted.add_argument("name")
+    granted.add_argument("permission", choices=PERMISSIONS)
+    args = parser.parse_args(argv)
+    if not args.uri or not args.uri.startswith(("http://", "https://")):
+        print("qexp.store: error: no served store. set MLFLOW_TRACKING_URI (or --uri) to its http(s) URL",
+              file=sys.stderr)
+        return 2
+    try:
+        if args.command == "user":
+            path = add_user(args.uri, args.name, args.password_file or Path(f"{args.name}.mlflow-password"))
+            print(f"qexp.store: user {args.name} added; password in {path} (readable by you only): they log in with "
+                  f"MLFLOW_TRACKING_USERNAME={args.name} MLFLOW_TRACKING_PASSWORD=$(cat {path})")
+        else:
+            experiment_id = grant(args.uri, args.experiment, args.name, args.permission)
+            print(f"qexp.store: {args.name} has {args.permission} on {args.experiment} (experiment {experiment_id})")
+    except QexpError as exc:
+        print(f"qexp.store: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
