@@ -101,13 +101,18 @@ def move(module: torch.nn.Module, device: torch.device) -> list:
                 tensor, torch.nn.Parameter) else copy
         return moved[id(tensor)]
 
-    for sub in module.modules():
-        for table in (sub._parameters, sub._buffers, vars(sub)):
-            for name, value in list(table.items()):
-                if isinstance(value, torch.Tensor) and value.device != device:
-                    saved.append((table, name, value))
-                    table[name] = copy_of(value)
+    for table, name, value in tensor_slots(module):
+        if value.device != device:
+            saved.append((table, name, value))
+            table[name] = copy_of(value)
     return saved
+
+
+def tensor_slots(module: torch.nn.Module) -> list:
+    """(table, name, tensor) for every tensor `module` holds: parameters, buffers and plain tensor attributes (an
+    exported program's constants), in each submodule."""
+    return [(table, name, value) for sub in module.modules() for table in (sub._parameters, sub._buffers, vars(sub))
+            for name, value in list(table.items()) if isinstance(value, torch.Tensor)]
 
 
 def to_device(tensors, device: torch.device) -> tuple:

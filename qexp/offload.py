@@ -5,8 +5,9 @@ The QDQ phase's evaluation runs the calibrated program with its weights dequanti
 model's size, while the float model (needed again later: the tasks' FP scorer, the deploy stage's re-export) sits
 unused. For a 1B model that is 6 GB held twice. `on_disk` writes the bytes of each storage of the given tensors to an
 unlinked temporary file and frees the storage (`resize_(0)`: every tensor and view sharing it, the static llama's conv
-weights included, now has no memory, and any read of one fails loudly); at exit, normal or not, it reallocates each
-storage and reads its bytes back. Nothing else changes: the objects, their views and their ties are the same.
+weights included, now has no memory, so nothing may read one meanwhile: see below); at exit, normal or not, it
+reallocates each storage and reads its bytes back. Nothing else changes: the objects, their views and their ties
+are the same.
 
 Weights loaded from safetensors files are private memory maps of the file (the cached HF folder): as long as none
 of their pages has been written, the pages are the file's, so they need no copy. `on_disk` hands those pages back
@@ -40,11 +41,9 @@ SMALLEST = 1 << 20  # bytes: smaller storages are not worth a file read
 def tensors_of(module: torch.nn.Module) -> List[torch.Tensor]:
     """Every tensor a module holds: parameters, buffers and plain tensor attributes (an exported program's
     constants)."""
-    found = []
-    for sub in module.modules():
-        for table in (sub._parameters, sub._buffers, vars(sub)):
-            found += [v for v in table.values() if isinstance(v, torch.Tensor)]
-    return found
+    from qexp.device import tensor_slots
+
+    return [value for _, _, value in tensor_slots(module)]
 
 
 def tensors_read_by(program: torch.fx.GraphModule) -> List[torch.Tensor]:
