@@ -246,9 +246,10 @@ class TrackingConfig:
     experiment: str = "qexp"
     run_name: Optional[str] = None
     connect_timeout_s: float = 5.0
-    # The sweep's name: a multirun's children and a single run given it are tagged with it (`python -m qexp.report
-    # --sweep NAME`). A multirun job whose config hash already has a FINISHED run in the experiment is skipped unless
-    # `force`.
+    outage_s: float = 300.0  # a store gone mid-run is waited for this long, then the run's record is spooled
+    spool_dir: Optional[str] = None  # where (null: <repo>/spool); `python -m qexp.store replay` uploads it
+    # The sweep's name, tagged on a multirun's children (`python -m qexp.report --sweep NAME`). A multirun job whose
+    # config hash already has a FINISHED run in the experiment is skipped unless `force`.
     sweep: Optional[str] = None
     force: bool = False
 

@@ -31,7 +31,8 @@ from qexp.provenance import config_hash, environment_tags, pin_cpu_numerics
 from qexp.timing import StageTimer, peak_rss_mb
 from qexp.tracking.runlog import captured_log
 from qexp.tracking.naming import run_description, run_name
-from qexp.tracking.store import Tracker, config_yaml, flatten
+from qexp.tracking.record import config_yaml, flatten
+from qexp.tracking.store import Tracker
 
 if TYPE_CHECKING:
     from qexp.tracking.sweep import SweepJob
@@ -167,7 +168,7 @@ def validate(cfg: DictConfig) -> Backend:
 def run_experiment(cfg: DictConfig, job: Optional["SweepJob"] = None) -> ExperimentResult:
     """Run one experiment as one MLflow run. As a sweep job (`job`), skip a config that already has a FINISHED
     run in the experiment (unless tracking.force) and record what became of the job for the sweep's summary."""
-    tracker = Tracker(cfg.tracking)
+    tracker = Tracker(cfg.tracking, patient=job is not None)  # a sweep's job waits out an outage of its store
     chash = config_hash(cfg)
     if job is None:
         return _tracked_run(cfg, tracker, chash, job)

@@ -1,11 +1,12 @@
 """The served store's logins, for its admin (MLFLOW_TRACKING_USERNAME=admin, MLFLOW_TRACKING_PASSWORD from the
-file scripts/services/mlflow_server.sh wrote):
+file scripts/services/mlflow_server.sh wrote), and the upload of runs spooled while it was away:
 
     python -m qexp.store user add NAME [--password-file FILE]   # a generated password, written to FILE (owner only)
     python -m qexp.store grant EXPERIMENT NAME read|edit|manage|none
+    python -m qexp.store replay [SPOOL]   # runs whose store went away mid-run (default: <repo>/spool)
 
-The store is MLFLOW_TRACKING_URI (or --uri). Every user reads every experiment and changes the ones they created;
-`grant` gives another user edit (or manage) on one.
+The store is MLFLOW_TRACKING_URI (or --uri); `replay` defaults to the store each run was in. Every user reads every
+experiment and changes the ones they created; `grant` gives another user edit (or manage) on one.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ def main(argv=None) -> int:
     from qexp.tracking.logins import PERMISSIONS, add_user, grant
 
     parser = argparse.ArgumentParser(prog="python -m qexp.store", description=__doc__.splitlines()[0])
-    parser.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
-                        help="the store (default: MLFLOW_TRACKING_URI)")
+    parser.add_argument("--uri", help="the store (default: MLFLOW_TRACKING_URI; for replay, each run's own store)")
     commands = parser.add_subparsers(dest="command", required=True)
     user = commands.add_parser("user", help="add a user").add_subparsers(dest="action", required=True)
     add = user.add_parser("add", help="create a user with a generated password")
@@ -33,7 +33,12 @@ def main(argv=None) -> int:
     granted.add_argument("experiment")
     granted.add_argument("name")
     granted.add_argument("permission", choices=PERMISSIONS)
+    replayed = commands.add_parser("replay", help="upload the runs spooled while their store was away")
+    replayed.add_argument("spool", nargs="?", type=Path, help="a spool folder, or one run's (default: <repo>/spool)")
     args = parser.parse_args(argv)
+    if args.command == "replay":
+        return _replay(args.spool, args.uri)
+    args.uri = args.uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not args.uri or not args.uri.startswith(("http://", "https://")):
         print("qexp.store: error: no served store. set MLFLOW_TRACKING_URI (or --uri) to its http(s) URL",
               file=sys.stderr)
@@ -50,6 +55,29 @@ def main(argv=None) -> int:
         print(f"qexp.store: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _replay(spool, uri) -> int:
+    from qexp.provenance import REPO_ROOT
+    from qexp.tracking.redact import redact_text
+    from qexp.tracking.spool import pending, replay
+    from qexp.tracking.writer import SENDERS
+
+    spool = spool or REPO_ROOT / "spool"
+    folders = pending(spool)
+    if not folders:
+        print(f"qexp.store: nothing to replay in {spool}")
+        return 0
+    failed = 0
+    for folder in folders:
+        try:
+            print(f"qexp.store: replayed {replay(folder, SENDERS, uri).describe()}")
+        except Exception as exc:  # noqa: BLE001 - one line per run; the others still go
+            failed += 1
+            message = redact_text(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")[:300]
+            print(f"qexp.store: error: {folder} not replayed ({message}); it stays for the next replay",
+                  file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 reason, loses no finished run, and leaves nothing half-written that looks valid. The other faults of the suite live
 beside the features they test: a failing job mid-sweep (test_sweep: the poisoned job), SIGKILL mid-sweep
 (test_reliability), truncated and corrupt cache entries of every kind (test_cache), an unreachable server at start
-(test_sweep, test_tracking)."""
+(test_sweep, test_tracking); a store that goes away mid-run (below)."""
 
 from __future__ import annotations
 
@@ -72,58 +72,118 @@ def test_full_disk_during_a_cache_write(small_disk, store_uri, tmp_path):
     assert _qexp(args, roomy, store_uri).returncode == 0
 
 
-def test_tracking_server_dies_mid_sweep(tmp_path, cache_dir):
-    """The server goes away after the first job: the next jobs fail with one line each, the sweep exits non-zero,
-    the finished job stays in the store, and once the server is back a re-run does only the missing jobs."""
-    from helpers import free_port, wait_until_healthy
+class _Server:
+    """An MLflow server on a sqlite file that a test can kill and start again on the same port and data."""
 
-    port = free_port()
-    server_cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                  "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--default-artifact-root",
-                  str(tmp_path / "art"), "--workers", "1"]
-    uri = f"http://127.0.0.1:{port}"
+    def __init__(self, tmp_path: Path):
+        from helpers import free_port
 
-    def start_server():
-        proc = subprocess.Popen(server_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True,  # no GenAI job consumers (25 processes) on 2 cores
-                                env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
-        wait_until_healthy(uri, proc, "mlflow server")
-        return proc
+        port = free_port()
+        self.cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                    "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--serve-artifacts",
+                    "--artifacts-destination", str(tmp_path / "art"), "--workers", "1"]
+        self.uri, self.proc = f"http://127.0.0.1:{port}", None
 
-    server = start_server()
-    args = ["-m", *TINY, "quant=fp32,16a8w,8a8w", "tracking.experiment=faults_server",
+    def start(self) -> "_Server":
+        from helpers import wait_until_healthy
+
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True,  # no GenAI job consumers (25 processes) on 2 cores
+                                     env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+        wait_until_healthy(self.uri, self.proc, "mlflow server")
+        return self
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its workers, at once
+        self.proc.wait()
+
+
+def _jobs(uri: str, experiment: str):
+    client = MlflowClient(uri)
+    found = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([found.experiment_id]) if found else []
+    return [r for r in runs if r.data.tags.get("qexp.role") != "sweep"]
+
+
+def _record(uri: str, run) -> tuple:
+    """What a run holds: its status and the names of its params, metrics, tags and artifacts."""
+    client = MlflowClient(uri)
+    artifacts, folders = set(), [""]
+    while folders:
+        for item in client.list_artifacts(run.info.run_id, folders.pop() or None):
+            (folders.append(item.path) if item.is_dir else artifacts.add(item.path))
+    tags = {k for k in run.data.tags if not k.startswith("mlflow.")} - {"qexp.pid", "qexp.started_at"}
+    metrics = {k for k in run.data.metrics if not k.startswith("time_")}  # a stage timed only when not cached
+    return run.info.status, set(run.data.params), metrics, tags, artifacts
+
+
+def test_a_sweep_rides_out_its_server_restarting(tmp_path, cache_dir):
+    """The server is killed as the first of three jobs finishes and started again (a restart, ~10-20 s here): the
+    jobs wait for it, and every run finishes with all its params, metrics, tags and artifacts; the sweep exits 0."""
+    server = _Server(tmp_path).start()
+    args = ["-m", *TINY, "quant=16a8w", "eval.limit=2,3,4", "tracking.experiment=faults_server",  # alike runs
             f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    env = {**os.environ, "QEXP_CACHE_DIR": str(cache_dir), "MLFLOW_TRACKING_URI": uri}
+    env = {**os.environ, "QEXP_CACHE_DIR": str(cache_dir), "MLFLOW_TRACKING_URI": server.uri}
     sweep = subprocess.Popen([sys.executable, "-m", "qexp", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 600
-        while not list((tmp_path / "sweep").glob("*/qexp_job.json")) and time.time() < deadline:
+        while len(_jobs(server.uri, "faults_server")) < 2 and time.time() < deadline:  # the second job's run began
             time.sleep(0.2)
-        os.killpg(server.pid, signal.SIGKILL)  # the first job has finished: the server dies
-        server.wait()
+        server.kill()
+        time.sleep(3)
+        server.start()
         stdout, stderr = sweep.communicate(timeout=900)
     finally:
         sweep.kill()
-    assert sweep.returncode != 0
-    errors = [line for line in stderr.splitlines() if line.startswith(("qexp: error:", "qexp: failed"))]
-    print("\n".join(errors))  # shown with -s: what the user sees
-    assert errors and all(len(line) < 1000 for line in errors), stderr[-3000:]
-    assert any("unreachable" in line or "MLflow" in line for line in errors), errors
-
-    server = start_server()
+        server.kill()
+    assert sweep.returncode == 0, stderr[-3000:]
+    summary = [line for line in stdout.splitlines() if "jobs):" in line]
+    assert summary and "3 finished, 0 failed" in summary[0], stdout[-3000:]
+    assert "answers again" in stdout + stderr, [line for line in (stdout + stderr).splitlines() if "store" in line]
+    server.start()
     try:
-        client = MlflowClient(uri)
-        runs = client.search_runs([client.get_experiment_by_name("faults_server").experiment_id])
-        finished = [r for r in runs if r.info.status == "FINISHED" and r.data.tags.get("qexp.role") != "sweep"]
-        assert len(finished) >= 1  # the job that finished before the server died is kept
-        rerun = subprocess.run([sys.executable, "-m", "qexp", *args[:-1], f"hydra.sweep.dir={tmp_path / 'rerun'}"],
-                               cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-        assert rerun.returncode == 0, rerun.stderr[-3000:]
-        assert f"{len(finished)} skipped" in rerun.stdout
-        runs = client.search_runs([client.get_experiment_by_name("faults_server").experiment_id])
-        jobs = [r for r in runs if r.info.status == "FINISHED" and r.data.tags.get("qexp.role") != "sweep"]
-        assert len({r.data.tags["config_hash"] for r in jobs}) == 3
+        records = [_record(server.uri, run) for run in _jobs(server.uri, "faults_server")]
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
+        server.kill()
+    assert len(records) == 3 and all(r[0] == "FINISHED" for r in records)
+    differences = [[sorted(a ^ b) for a, b in zip(r[1:], records[0][1:])] for r in records[1:]]
+    assert {"config.yaml", "run.log"} <= records[0][4] and not any(any(d) for d in differences), differences
+
+
+def test_a_run_outlasting_its_stores_outage_keeps_its_record_in_a_spool(tmp_path, cache_dir):
+    """Past tracking.outage_s the run goes on, its record goes to a spool and it ends with one line naming it;
+    `python -m qexp.store replay` uploads it once the server is back: the same params, metrics, tags and artifacts
+    as the same run made with the server up, FINISHED."""
+    server = _Server(tmp_path).start()
+    env = {**os.environ, "QEXP_CACHE_DIR": str(cache_dir), "MLFLOW_TRACKING_URI": server.uri}
+    run = [sys.executable, "-m", "qexp", *TINY, "quant=16a8w", "tracking.experiment=faults_spool",
+           "tracking.outage_s=2", f"tracking.spool_dir={tmp_path / 'spool'}"]
+    try:
+        reference = subprocess.run(run, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        assert reference.returncode == 0, reference.stderr[-3000:]
+        spooled = subprocess.Popen(run, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 300
+        while len(_jobs(server.uri, "faults_spool")) < 2 and time.time() < deadline:  # its run has started
+            time.sleep(0.2)
+        server.kill()
+        _, stderr = spooled.communicate(timeout=900)
+        errors = [line for line in stderr.splitlines() if line.startswith("qexp: error:")]
+        assert spooled.returncode != 0 and len(errors) == 1, stderr[-3000:]
+        assert "spooled in" in errors[0] and "python -m qexp.store replay" in errors[0], errors
+        [folder] = list((tmp_path / "spool").iterdir())
+        server.start()
+        replay = subprocess.run([sys.executable, "-m", "qexp.store", "replay", str(tmp_path / "spool")], cwd=REPO,
+                                env=env, capture_output=True, text=True, timeout=300)
+        assert replay.returncode == 0 and f"replayed run {folder.name}" in replay.stdout, replay.stderr[-2000:]
+        assert folder.with_name(folder.name + ".replayed").is_dir()
+        runs = {run.info.run_id: _record(server.uri, run) for run in _jobs(server.uri, "faults_spool")}
+        again = subprocess.run([sys.executable, "-m", "qexp.store", "replay", str(tmp_path / "spool")], cwd=REPO,
+                               env=env, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0 and "nothing to replay" in again.stdout
+    finally:
+        server.kill()
+    restored = runs.pop(folder.name)
+    [made_live] = runs.values()
+    assert restored == made_live and restored[0] == "FINISHED", (restored, made_live)

@@ -35,7 +35,7 @@ def compose_search(cache_dir, store_uri):
 
 
 def test_the_search_config_is_the_analysis_config_plus_an_optuna_sweeper(compose_search, compose):
-    from qexp.tracking.store import flatten
+    from qexp.tracking.record import flatten
 
     cfg = compose_search(SEARCH, hydra_config=True)
     sweeper = cfg.hydra.sweeper

@@ -49,7 +49,7 @@ def test_the_analysis_config_is_the_run_config_plus_its_section(compose_sensitiv
 
     from qexp.cache import stable_hash
     from qexp.provenance import without_later_defaults
-    from qexp.tracking.store import flatten
+    from qexp.tracking.record import flatten
 
     run = compose(["quant=16a4w_block"], tracked=False)
     assert run.sensitivity is None and not any(k.startswith("sensitivity") for k in flatten(run))

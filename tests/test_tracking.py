@@ -207,18 +207,18 @@ def test_a_dataset_logged_by_two_jobs_at_once_is_linked_not_failed(store_uri, mo
     from qexp.config import TrackingConfig
     from qexp.tracking.store import Tracker
 
-    real, calls = mlflow.log_input, []
+    real, calls = MlflowClient.log_inputs, []
 
-    def racing_log_input(*args, **kwargs):
+    def racing_log_inputs(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == 1:
             raise mlflow.exceptions.MlflowException("BAD_REQUEST: (sqlite3.IntegrityError) UNIQUE constraint failed: "
                                                     "datasets.experiment_id, datasets.name, datasets.digest")
-        return real(*args, **kwargs)
+        return real(self, *args, **kwargs)
 
     tracker = Tracker(TrackingConfig(uri=store_uri, experiment="datasets_race"))
     run_id = tracker.start("race", {})
-    monkeypatch.setattr(mlflow, "log_input", racing_log_input)
+    monkeypatch.setattr(MlflowClient, "log_inputs", racing_log_inputs)
     try:
         Tracker.dataset(np.arange(8).reshape(2, 4), "text:test", "ab" * 32, "/dev/null", "evaluation", {})
     finally:
@@ -290,3 +290,26 @@ def test_the_ui_on_a_store_that_does_not_exist_yet_says_so_and_creates_nothing(t
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"qexp.ui: no qexp store at {store} yet (`make run` makes one, or pass --tracking-uri)"
     assert not store.exists() and not out.stderr
+
+
+def test_a_store_that_is_away_is_told_from_one_that_refuses(monkeypatch):
+    """What a run waits for (no connection, a timeout, HTTP 5xx/408/429) and what it reports at once (a refused
+    login or permission, a bad value): the errors MLflow's client raises in each case."""
+    import requests
+    from mlflow.exceptions import MlflowException, RestException
+
+    from qexp.tracking.writer import store_is_away
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with pytest.raises(MlflowException) as closed:  # a real refused connection, through MLflow's client
+        MlflowClient(f"http://127.0.0.1:{free_port()}").set_tag("0" * 32, "k", "v")
+    closed = closed.value
+    away = [closed, requests.ConnectionError("reset"), requests.Timeout("slow"),
+            RestException({"error_code": "TEMPORARILY_UNAVAILABLE", "message": "PostgreSQL restarting"}),
+            MlflowException("API request to http://h/api/2.0/mlflow/runs/log-batch failed with error code 503 != 200")]
+    refused = [RestException({"error_code": "PERMISSION_DENIED", "message": "no edit"}),
+               RestException({"error_code": "INVALID_PARAMETER_VALUE", "message": "param changed"}),
+               MlflowException("API request to http://h/api/2.0/mlflow/runs/create failed with error code 401 != 200"),
+               ValueError("a bug")]
+    assert [store_is_away(e) for e in away] == [True] * len(away)
+    assert [store_is_away(e) for e in refused] == [False] * len(refused)

@@ -64,10 +64,11 @@ def run_trial(cfg, job=None) -> Tuple[str, object]:
     from qexp.search.trial import evaluator_for
     from qexp.sensitivity.synthesis import recipe_yaml
     from qexp.tracking.runlog import captured_log
-    from qexp.tracking.store import Tracker, config_yaml, flatten
+    from qexp.tracking.record import config_yaml, flatten
+    from qexp.tracking.store import Tracker
 
     validate_search(cfg)
-    tracker = Tracker(cfg.tracking)
+    tracker = Tracker(cfg.tracking, patient=job is not None)
     with captured_log(verbose=bool(cfg.verbose)) as run_log:
         point = " ".join(f"{k}{v}" for k, v in cfg.search.promote.items() if int(v))
         name = cfg.tracking.run_name or f"{cfg.model.name} · search {cfg.quant.name} + {cfg.sensitivity.high}: " \

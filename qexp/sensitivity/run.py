@@ -24,7 +24,8 @@ def run_analysis(cfg) -> tuple[str, Analysis, List[Recipe]]:
     """Validate, then the tracked run. Returns (run id, analysis, recipes)."""
     from qexp.provenance import config_hash, environment_tags
     from qexp.tracking.runlog import captured_log
-    from qexp.tracking.store import Tracker, config_yaml, flatten
+    from qexp.tracking.record import config_yaml, flatten
+    from qexp.tracking.store import Tracker
 
     validate_analysis(cfg)
     tracker = Tracker(cfg.tracking)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
 import mlflow
-from omegaconf import DictConfig, OmegaConf
 
 from qexp.config import TrackingConfig
 from qexp.errors import TrackingError
@@ -30,7 +29,7 @@ from qexp.tracking.naming import (
     failed_description,
 )
 from qexp.tracking.logins import raise_if_refused
-from qexp.tracking.redact import redact, redact_text
+from qexp.tracking.redact import redact_text
 from qexp.tracking.ui_view import VIEW_TAG, view_json
 
 log = logging.getLogger("qexp")
@@ -45,11 +44,6 @@ def embedded_store_uri(root: Path = REPO_ROOT) -> str:
 def sqlite_file(uri: str) -> Optional[str]:
     """The file of a `sqlite:///` store URI, None for any other store."""
     return uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
-
-
-def config_yaml(cfg: DictConfig) -> str:
-    """The resolved config as the run's config.yaml artifact, secrets masked."""
-    return OmegaConf.to_yaml(redact(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
 
 
 @contextlib.contextmanager
@@ -76,22 +70,6 @@ def _sqlite_initialised_once(uri: str) -> Iterator[None]:
 
 def resolve_uri(cfg: TrackingConfig) -> str:
     return cfg.uri or os.environ.get("MLFLOW_TRACKING_URI") or embedded_store_uri()
-
-
-def flatten(cfg: DictConfig | dict, prefix: str = "") -> Dict[str, str]:
-    """Resolved config -> {"quant.scheme": "16a4w", ...} (lists as their YAML-ish repr), secrets masked."""
-    container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(cfg) else cfg
-    container = redact(container)
-    out: Dict[str, str] = {}
-    for key, value in container.items():
-        name = f"{prefix}{key}"
-        if value is None and not prefix:  # a section an experiment does not use (sensitivity)
-            continue
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{name}."))
-        else:
-            out[name] = str(value)[:6000]  # MLflow's param value limit
-    return out
 
 
 _RECONCILED: set = set()  # (store, experiment) pairs this process has reconciled
@@ -138,10 +116,15 @@ def _caught(exc: BaseException) -> None:
 
 
 class Tracker:
-    def __init__(self, cfg: TrackingConfig):
+    """One run in the store. Its writes go through a RunWriter (writer.py): tried again while the store is away,
+    spooled past tracking.outage_s. `patient`: a sweep's job, whose store the sweep reached already, waits that long
+    for it at the start too; a run on its own says at once that its store does not answer (a typo, most often)."""
+
+    def __init__(self, cfg: TrackingConfig, patient: bool = False):
         self.cfg = cfg
         self.uri = resolve_uri(cfg)
-        self.run: Optional[mlflow.ActiveRun] = None
+        self.patient = patient
+        self.run_id: Optional[str] = None
 
     # ---- setup
     def connect(self) -> str:
@@ -186,16 +169,30 @@ class Tracker:
     def _check_server(self) -> None:
         import requests
 
-        try:
-            response = requests.get(self.uri.rstrip("/") + "/health", timeout=self.cfg.connect_timeout_s)
-            response.raise_for_status()
-        except Exception as exc:  # noqa: BLE001
-            raise TrackingError(
-                f"MLflow tracking server {redact_text(self.uri)} is unreachable ({type(exc).__name__})",
-                "start it (mlflow server --host 127.0.0.1 --port 5000) or unset tracking.uri / "
-                "MLFLOW_TRACKING_URI to use the embedded store",
-            ) from exc
-        # Fail fast later too, rather than retrying for minutes inside a long run.
+        started = time.monotonic()
+        while True:
+            try:
+                response = requests.get(self.uri.rstrip("/") + "/health", timeout=self.cfg.connect_timeout_s)
+                response.raise_for_status()
+                if time.monotonic() - started > self.cfg.connect_timeout_s:
+                    log.warning("the store at %s answers again after %.0f s", redact_text(self.uri),
+                                time.monotonic() - started)
+                break
+            except Exception as exc:  # noqa: BLE001
+                if self.patient and time.monotonic() - started < self.cfg.outage_s:
+                    if time.monotonic() - started < 2:
+                        log.warning("the store at %s does not answer (%s): this sweep job waits for it up to %.0f s "
+                                    "(tracking.outage_s)", redact_text(self.uri), type(exc).__name__,
+                                    self.cfg.outage_s)
+                    time.sleep(2)
+                    continue
+                raise TrackingError(
+                    f"MLflow tracking server {redact_text(self.uri)} is unreachable ({type(exc).__name__})",
+                    "start it (mlflow server --host 127.0.0.1 --port 5000) or unset tracking.uri / "
+                    "MLFLOW_TRACKING_URI to use the embedded store",
+                ) from exc
+        # MLflow's own retries stay short (a wrong address is one line within seconds); a run's writes ride out an
+        # outage of tracking.outage_s themselves (writer.py)
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 
@@ -210,26 +207,45 @@ class Tracker:
 
     # ---- run lifecycle
     def start(self, run_name: Optional[str], tags: Dict[str, str]) -> str:
-        from qexp.tracking.liveness import owner_tags
+        from mlflow.tracking.context.registry import resolve_tags
 
+        from qexp.tracking.liveness import owner_tags
+        from qexp.tracking.writer import RunWriter
+
+        global _WRITER
         experiment_id = self.connect()
         try:
-            self.run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags={**tags, **owner_tags()})
+            run = mlflow.tracking.MlflowClient(self.uri).create_run(
+                experiment_id, run_name=run_name, tags=resolve_tags({**tags, **owner_tags()}))
         except Exception as exc:  # noqa: BLE001 - a login the store refuses is one line; anything else as it was
             raise_if_refused(self.uri, exc, f"write a run to experiment {self.cfg.experiment!r}")
             raise
-        log.info("MLflow run %s in %s (experiment %s)", self.run.info.run_id, redact_text(self.uri),
-                 self.cfg.experiment)
-        return self.run.info.run_id
+        self.run_id = run.info.run_id
+        spool_root = Path(self.cfg.spool_dir) if self.cfg.spool_dir else REPO_ROOT / "spool"
+        _WRITER = RunWriter(self.uri, self.run_id, self.cfg.outage_s, spool_root)
+        log.info("MLflow run %s in %s (experiment %s)", self.run_id, redact_text(self.uri), self.cfg.experiment)
+        return self.run_id
 
-    def finish(self) -> None:
-        if self.run is not None:
-            mlflow.end_run("FINISHED")
-            self.run = None
+    def finish(self, status: str = "FINISHED") -> None:
+        """End the run; a run whose record went to a spool raises, after it, the one line that says where."""
+        global _WRITER
+        if self.run_id is None:
+            return
+        writer = _writer()
+        try:
+            writer.write("end", {"status": status, "end_time": int(time.time() * 1000)})
+        finally:
+            _WRITER, self.run_id = None, None
+        if writer.spool is not None and status == "FINISHED":
+            raise TrackingError(f"the store at {redact_text(self.uri)} went away during run {writer.run_id}: its "
+                                f"record is spooled in {writer.spool.folder}",
+                                f"python -m qexp.store replay {writer.spool.folder} once the store answers")
 
     def end(self, run_log: str, exc: Optional[BaseException] = None) -> None:
         """Attach the run's log as run.log, then end the run FINISHED; with `exc`, FAILED (even if the log could not
         be written). A log that cannot be written on success raises, so the caller ends the run FAILED."""
+        if self.run_id is None:  # ended already (its end raised that its record is spooled)
+            return
         if exc is None:
             Tracker.text(run_log, "run.log")
             self.finish()
@@ -242,7 +258,7 @@ class Tracker:
 
     def fail(self, exc: BaseException) -> None:
         """End the active run FAILED, with the error as a tag and the full traceback as an artifact."""
-        if self.run is None:
+        if self.run_id is None:
             return
         from qexp.tracking.liveness import KILLED_TAG
         from qexp.tracking.slurm import JobTerminated, slurm_reason
@@ -250,84 +266,74 @@ class Tracker:
         if isinstance(exc, JobTerminated):  # SLURM ended the job: KILLED, with what SLURM says of it
             reason = redact_text(slurm_reason(exc))
             try:
-                mlflow.set_tags({KILLED_TAG: reason[:5000], "error": f"KILLED: {reason}"[:5000],
-                                 NOTE_TAG: f"KILLED: {reason}"[:5000]})
+                Tracker.tags({KILLED_TAG: reason[:5000], "error": f"KILLED: {reason}"[:5000],
+                              NOTE_TAG: f"KILLED: {reason}"[:5000]})
             finally:
-                mlflow.end_run("KILLED")
-                self.run = None
+                self.finish("KILLED")
             return
         message = redact_text(f"{type(exc).__name__}: {exc}")
         try:
-            mlflow.set_tags({"error": message[:5000], NOTE_TAG: redact_text(failed_description(exc))})
-            mlflow.log_text(redact_text("".join(traceback.format_exception(exc))), "error.txt")
+            Tracker.tags({"error": message[:5000], NOTE_TAG: redact_text(failed_description(exc))})
+            Tracker.text("".join(traceback.format_exception(exc)), "error.txt")
         finally:
-            mlflow.end_run("FAILED")
-            self.run = None
+            self.finish("FAILED")
 
     # ---- logging (thin, so stages do not import mlflow; every string goes through redact_text)
     @staticmethod
     def params(values: Dict[str, Any]) -> None:
-        items = [(k, redact_text(str(v))) for k, v in values.items()]
-        for start in range(0, len(items), 100):  # MLflow's batch limit
-            mlflow.log_params(dict(items[start : start + 100]))
+        _writer().write("params", {"params": {k: redact_text(str(v)) for k, v in values.items()}})
 
     @staticmethod
     def tags(values: Dict[str, Any]) -> None:
-        mlflow.set_tags({k: redact_text(str(v)) for k, v in values.items()})
+        _writer().write("tags", {"tags": {k: redact_text(str(v)) for k, v in values.items()}})
 
     @staticmethod
     def describe(description: str) -> None:
         """The run's description in the MLflow UI (its one-line result)."""
-        mlflow.set_tag(NOTE_TAG, redact_text(description))
+        Tracker.tags({NOTE_TAG: description})
 
     @staticmethod
     def dataset(features, name: str, digest: str, source: str, context: str, tags: Dict[str, str]) -> None:
         """A dataset as an MLflow input (the UI's Dataset column, `dataset.name`/`dataset.context` in searches).
 
         `features` are the token ids; MLflow keeps their schema and shape, not the data (eval/windows.npy does)."""
-        import warnings
-
-        import mlflow.data
-
-        with warnings.catch_warnings():  # MLflow warns that a local path source is resolved by its registry
-            warnings.simplefilter("ignore")
-            data = mlflow.data.from_numpy(features, source=source, name=name, digest=digest[:DIGEST_CHARS])
-        tags = {k: redact_text(str(v)) for k, v in tags.items()}
-        for attempt in range(3):
-            try:
-                mlflow.log_input(data, context=context, tags=tags)
-                return
-            except Exception as exc:  # noqa: BLE001 - MlflowException from a server, IntegrityError from sqlite
-                # Two jobs logging the same dataset at once: MLflow's store looks it up, finds none, and both insert
-                # it; the loser fails on the unique (experiment, name, digest) constraint (measured: two sweeps on a
-                # tracking server). Again, the dataset exists and is only linked to the run.
-                if "unique constraint" not in str(exc).lower() or attempt == 2:
-                    raise
-                time.sleep(0.2 * (attempt + 1))
+        _writer().write("dataset", {"features": features, "name": name, "digest": digest[:DIGEST_CHARS],
+                                    "source": source, "context": context,
+                                    "tags": {k: redact_text(str(v)) for k, v in tags.items()}})
 
     @staticmethod
     def metrics(values: Dict[str, float]) -> None:
-        mlflow.log_metrics({k: float(v) for k, v in values.items() if v is not None})
+        now = int(time.time() * 1000)  # taken once: a write tried again sends the same points
+        _writer().write("metrics", {"metrics": [[k, float(v), now, 0] for k, v in values.items() if v is not None]})
 
     @staticmethod
     def metric_history(curves: Dict[str, list]) -> None:
         """Metrics with steps ({name: [(step, value), ...]}, e.g. QAT's loss curves): the UI plots them by step."""
-        from mlflow.entities import Metric
-
         now = int(time.time() * 1000)
-        metrics = [Metric(name, float(value), now, int(step)) for name, points in curves.items()
-                   for step, value in points]
-        client, run_id = mlflow.MlflowClient(), mlflow.active_run().info.run_id
-        for i in range(0, len(metrics), 1000):  # MLflow's limit per batch
-            client.log_batch(run_id, metrics=metrics[i:i + 1000])
+        _writer().write("metrics", {"metrics": [[name, float(value), now, int(step)] for name, points in curves.items()
+                                                for step, value in points]})
 
     @staticmethod
     def text(content: str, path: str) -> None:
-        mlflow.log_text(redact_text(content), path)
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp) / Path(path).name
+            local.write_text(redact_text(content))
+            Tracker.file(local, str(Path(path).parent) if Path(path).parent != Path(".") else None)
 
     @staticmethod
     def file(local_path: str | Path, artifact_dir: Optional[str] = None) -> None:
-        mlflow.log_artifact(str(local_path), artifact_dir)
+        _writer().write("artifact", {"local": str(local_path), "artifact_dir": artifact_dir})
+
+
+_WRITER = None  # the RunWriter of the run this process is in (one at a time, as MLflow's active run was)
+
+
+def _writer():
+    if _WRITER is None:
+        raise RuntimeError("no qexp run is active: Tracker.start() first")
+    return _WRITER
 
 
 class CurveLog:
