@@ -104,7 +104,11 @@ def _strategy_kwargs(granularity: Granularity, block_size: int) -> dict:
     return kwargs
 
 
-def build_recipe(quant: QuantConfig, observer: ObserverConfig):
+def recipe_steps(quant: QuantConfig, observer: ObserverConfig) -> list:
+    """The recipe as upstream's builder calls, [(method, args, kwargs), ...]: the QuantRecipe constructor first
+    ("QuantRecipe"), then its add_node_target / add_regex calls, then one ("annotation", (name,), {}) per custom
+    annotation. `build_recipe` runs them; qexp/quant/export.py writes them out as an ExecuTorch recipe class, so the
+    two cannot differ."""
     from qexp.transforms.grid import override_weight_regex
 
     act_observer = observer_class(observer)
@@ -112,15 +116,12 @@ def build_recipe(quant: QuantConfig, observer: ObserverConfig):
     if quant.weight_granularity == Granularity.per_block and not _is_block(quant.scheme):
         raise ConfigError(f"quant.weight_granularity=per_block needs a block scheme (16a4w_block, 16a3w_block), "
                           f"not {quant.scheme}")
-    recipe = upstream.QuantRecipe(
-        dtype, False, act_observer=act_observer, granularity=upstream.QuantGranularity.PER_TENSOR,
-        act_symmetric=quant.act_symmetric, note=f"{quant.scheme} default",
-    )
-    recipe.add_node_target(
-        {torch.ops.aten.conv2d.default}, dtype, False, act_observer=act_observer,
-        act_symmetric=quant.act_symmetric, note="weights of conv/linear layers",
-        **_strategy_kwargs(quant.weight_granularity, quant.block_size),
-    )
+    steps = [("QuantRecipe", (dtype, False), dict(
+        act_observer=act_observer, granularity=upstream.QuantGranularity.PER_TENSOR,
+        act_symmetric=quant.act_symmetric, note=f"{quant.scheme} default"))]
+    steps.append(("add_node_target", ({torch.ops.aten.conv2d.default}, dtype, False), dict(
+        act_observer=act_observer, act_symmetric=quant.act_symmetric, note="weights of conv/linear layers",
+        **_strategy_kwargs(quant.weight_granularity, quant.block_size))))
     for override in quant.overrides:
         override_dtype = quant_dtype(override.scheme)
         if override.granularity == Granularity.per_block and not _is_block(override.scheme):
@@ -132,11 +133,24 @@ def build_recipe(quant: QuantConfig, observer: ObserverConfig):
                       note=override.note or override.pattern)
         # The weight rule matches conv modules only (override_weight_regex); the activations in the same scope get
         # the override's bits per tensor.
-        recipe.add_regex({override_weight_regex(override.pattern)}, override_dtype, False, priority=3, **common,
-                         **_strategy_kwargs(override.granularity, override.block_size))
-        recipe.add_regex({override.pattern}, override_dtype, False, priority=2, **common,
-                         granularity=upstream.QuantGranularity.PER_TENSOR)
-    recipe.custom_quant_annotations.extend(custom_annotation(name) for name in quant.custom_annotations)
+        steps.append(("add_regex", ({override_weight_regex(override.pattern)}, override_dtype, False), dict(
+            priority=3, **common, **_strategy_kwargs(override.granularity, override.block_size))))
+        steps.append(("add_regex", ({override.pattern}, override_dtype, False), dict(
+            priority=2, **common, granularity=upstream.QuantGranularity.PER_TENSOR)))
+    for name in quant.custom_annotations:
+        custom_annotation(name)  # an unknown name is refused here, with the valid ones
+        steps.append(("annotation", (name,), {}))
+    return steps
+
+
+def build_recipe(quant: QuantConfig, observer: ObserverConfig):
+    (_, args, kwargs), *calls = recipe_steps(quant, observer)
+    recipe = upstream.QuantRecipe(*args, **kwargs)
+    for method, args, kwargs in calls:
+        if method == "annotation":
+            recipe.custom_quant_annotations.append(custom_annotation(*args))
+        else:
+            getattr(recipe, method)(*args, **kwargs)
     return recipe
 
 

@@ -9,6 +9,14 @@ elapsed() { echo "$(date +%s.%N) - $T0" | bc; }
 say() { echo "services: $*"; }
 die() { echo "services: error: $*" >&2; exit 1; }
 
+# running FILE: whether the process in the PID file FILE lives (a zombie, killed and not yet reaped, does not)
+running() {
+  local p
+  [ -s "$1" ] || return 1
+  p=$(cat "$1")
+  kill -0 "$p" 2>/dev/null && ! grep -qs '^State:[[:space:]]*Z' "/proc/$p/status"
+}
+
 # stop_pidfile FILE [group]: stop the process in FILE (TERM, then KILL after 10 s; with `group`, its whole process
 # group) and remove FILE. Never by name.
 stop_pidfile() {

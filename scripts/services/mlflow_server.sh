@@ -84,7 +84,7 @@ QEXP_MLFLOW_TRUSTED_NETWORK=1 if everyone on that network may" ;;
          esac ;;
     *) die "QEXP_MLFLOW_AUTH=$AUTH: use on (the default) or off" ;;
   esac
-  if [ -s "$D/mlflow.pid" ] && kill -0 "$(cat "$D/mlflow.pid")" 2>/dev/null; then echo "$URL"; return 0; fi
+  if running "$D/mlflow.pid"; then echo "$URL"; return 0; fi
   local store app=()
   store=$("$(dirname "$0")/postgres.sh" start)
   if [ "$AUTH" = on ]; then
