@@ -146,34 +146,147 @@ def test_no_issue_numbers_or_outside_paths():
     assert not found, "issue numbers or outside paths:\n" + "\n".join(found)
 
 
-def _readme_commands() -> list:
-    """Each command line of the README's code blocks, its trailing comment removed."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    lines = "\n".join(re.findall(r"^```[^\n]*\n(.*?)^```", text, re.M | re.S)).splitlines()
-    return [re.sub(r"\s+#.*$", "", line).strip() for line in lines if line.strip() and not line.startswith("load ->")]
+def _block_commands(markdown: str) -> list:
+    """Each command line of a page's shell code blocks: continuations joined, comments removed, and the shell
+    variables a block sets (B="quant=16a4w_block ...") expanded where it uses them."""
+    commands = []
+    for lang, block in re.findall(r"^```([^\n]*)\n(.*?)^```", markdown, re.M | re.S):
+        if lang.strip() not in ("bash", "sh", "shell", ""):
+            continue
+        variables = {}
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            line = re.sub(r"(^|\s+)#.*$", "", line).strip()
+            assigned = re.match(r"^([A-Z][A-Z0-9_]*)=(\"[^\"]*\"|'[^']*'|\S+)$", line)
+            if assigned:
+                value = assigned.group(2)
+                variables[assigned.group(1)] = value[1:-1] if value[0] in "\"'" else value
+            elif line and not line.startswith(("load ->", "export ", "for ", "done", "qexp:", "│", "└")):
+                for name, value in variables.items():
+                    line = re.sub(rf"\$\{{?{name}\}}?(?![A-Za-z0-9_])", lambda _: value, line)
+                commands.append(line)
+    return commands
 
 
-def test_every_readme_command_parses(compose):
-    """The README's commands work as written: each `make` target exists, each `python -m qexp` command's overrides
-    compose with Hydra, and each other module's flags are in its --help."""
+def _manual_commands() -> list:
+    """(page, command) for README.md and every page of docs/ but the research notes (dated records of what was run
+    at their commit, kept as run)."""
+    pages = [REPO / "README.md"] + sorted(p for p in DOCS.rglob("*.md") if "research" not in p.parts)
+    return [(str(p.relative_to(REPO)), c) for p in pages for c in _block_commands(p.read_text(encoding="utf-8"))]
+
+
+# the Hydra apps among qexp's modules: their config and what they imply (qexp.speed: the HTP backend)
+HYDRA_APPS = {"qexp": ("config", []), "qexp.search": ("search", []), "qexp.sensitivity": ("sensitivity", []),
+              "qexp.speed": ("config", ["backend=htp"])}
+HYDRA_FLAGS = {"--cfg": 1, "-c": 1, "--package": 1, "-p": 1, "--info": 0, "--help": 0, "--multirun": 0, "-m": 0}
+
+
+def _qexp_overrides(args: list) -> list:
+    """The overrides of a `python -m qexp` command line, each sweep taken value by value (one at a time, the others
+    at their first value): the override lists to compose."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    plain, i = [], 0
+    while i < len(args):
+        if args[i] in HYDRA_FLAGS:
+            i += 1 + HYDRA_FLAGS[args[i]]
+            continue
+        plain.append(args[i])
+        i += 1
+    parsed = OverridesParser.create().parse_overrides(plain)
+    values = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+              else [o.input_line] for o in parsed]
+    first = [v[0] for v in values]
+    return [first] + [first[:k] + [v] + first[k + 1:] for k, vs in enumerate(values) for v in vs[1:]]
+
+
+def _check_command(command: str, helps: dict) -> bool:
+    """Raise if a manual's command does not work as written; False for a command qexp does not own (git, curl)."""
     import shlex
 
-    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
-    helps = {}
-    for command in _readme_commands():
-        words = shlex.split(command)
-        if words[0] == "make":
-            assert re.search(rf"^{re.escape(words[1])}:", makefile, re.M), f"no make target for: {command}"
-            continue
-        assert words[:2] == [".venv/bin/python", "-m"], f"a README command qexp cannot check: {command}"
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import qexp.backends  # noqa: F401 - the config schemas
+
+    if re.match(r"^\S+/\s", command):  # a folder tree's line, not a command
+        return False
+    words = shlex.split(command)
+    words = words[next((i for i, w in enumerate(words) if not re.match(r"^[A-Z][A-Z0-9_]*=", w)), len(words)):]
+    if not words:
+        return False
+    if words[0] == "make":
+        assert re.search(rf"^{re.escape(words[1])}:", (REPO / "Makefile").read_text(), re.M), "no such make target"
+    elif words[0] == "bash" or words[0].startswith(("scripts/", "benchmarks/", "diagnostics/")):
+        script = words[1] if words[0] == "bash" else words[0]
+        assert (REPO / script).is_file(), f"no {script}"
+    elif words[0].endswith(("python", "python3")) and words[1:2] == ["-m"] and words[2].split(".")[0] == "qexp":
         module, args = words[2], words[3:]
-        if module == "qexp":
-            compose(args, tracked=False)  # raises on an unknown group, option or key
-            continue
-        if module not in helps:
-            proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
-                                  timeout=120)
-            assert proc.returncode == 0, f"{module} --help failed: {proc.stderr[-2000:]}"
-            helps[module] = proc.stdout
-        for flag in (a for a in args if a.startswith("--")):
-            assert flag in helps[module], f"{module} has no {flag} (README: {command})"
+        if module in HYDRA_APPS:
+            config, base = HYDRA_APPS[module]
+            for overrides in _qexp_overrides([a for a in args if a != "--all-socs"]):
+                GlobalHydra.instance().clear()
+                with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+                    hydra_compose(config, overrides=base + overrides, return_hydra_config=True)
+            GlobalHydra.instance().clear()
+            return True
+        # the subcommands named (up to two: `qexp.tasks lm_eval run`), each listed in its parent's help, and the
+        # flags in the help of the deepest one that has its own
+        words = [module]
+        for word in args[:2]:
+            choices = re.search(r"\{([\w,-]+)\} \.\.\.", _help(words, helps))  # usage: ... {a,b} ...
+            if not choices or not re.match(r"^[a-z][a-z_-]*$", word):  # no subcommands here: a positional value
+                break
+            assert word in choices.group(1).split(","), f"{' '.join(words)} has no subcommand {word}"
+            words.append(word)
+            if not _help(words, helps):  # lm-eval's own command line: its flags are lm-eval's, not checked here
+                return True
+        named = [a.split("=")[0] for a in args if a.startswith("--")]
+        missing = [a for a in named if a not in _help(words, helps)]
+        assert not missing, f"{' '.join(words)} has no {missing}"
+    else:
+        return False
+    return True
+
+
+def _help(words: list, helps: dict) -> str:
+    """`python -m <words> --help` (cached); empty where that command has no help of its own."""
+    key = " ".join(words)
+    if key not in helps:
+        proc = subprocess.run([sys.executable, "-m", *words, "--help"], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        helps[key] = proc.stdout if proc.returncode == 0 and "usage: python -m qexp" in proc.stdout else ""
+        assert helps[key] or len(words) > 1, f"{key} --help failed: {proc.stderr[-500:]}"
+    return helps[key]
+
+
+def test_every_command_in_the_manual_parses():
+    """The commands of the README and of every docs/ page work as written: each `make` target exists, each script
+    path exists, each `python -m qexp` command's overrides (every value of a sweep, Hydra's own settings included)
+    compose with Hydra, and each other qexp module's flags and subcommands are in its --help."""
+    helps, failures, checked = {}, [], 0
+    for page, command in _manual_commands():
+        try:
+            checked += _check_command(command, helps)
+        except Exception as exc:  # noqa: BLE001 - every broken command is listed, not the first only
+            failures.append(f"{page}: {command}\n    {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+    assert not failures, f"{len(failures)} command(s) of the manual do not work as written:\n" + "\n".join(failures)
+    assert checked > 100, checked  # the pages' commands were found
+
+
+@pytest.mark.parametrize("command", [
+    "python -m qexp eval.limt=4",  # a key that does not exist
+    "python -m qexp -m quant=16a8w,16a5w",  # a sweep value that does not
+    "python -m qexp eval.task_paths=[~/my_tasks]",  # Hydra cannot lex it unquoted
+    "python -m qexp hydra/launcher=slurmm",
+    "python -m qexp.report --experimnt x",
+    "make tests",
+])
+def test_the_manual_check_finds_a_broken_command(command):
+    with pytest.raises(Exception):
+        _check_command(command, {})
+
+
+def test_manual_commands_expand_a_blocks_variables():
+    page = "```bash\nB=\"quant=16a4w eval.limit=4\"\npython -m qexp -m $B text=news  # a comment\n```\n"
+    assert _block_commands(page) == ["python -m qexp -m quant=16a4w eval.limit=4 text=news"]
