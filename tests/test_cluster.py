@@ -157,6 +157,33 @@ def test_the_store_lets_in_only_who_belongs(team_store, services_env, tmp_path):
         assert admin_password not in text and passwords["alice"] not in text, where
 
 
+def test_a_server_on_the_labs_own_postgresql(team_store, services_env, tmp_path):
+    """QEXP_MLFLOW_DATABASE_URI / QEXP_MLFLOW_AUTH_DATABASE_URI: a second server on the databases the team store
+    uses (standing in for a lab's own PostgreSQL) starts no PostgreSQL of its own and serves the same runs, behind
+    the same logins; without the logins' database it refuses to start, in one line."""
+    import requests
+
+    folder = tmp_path / "services"
+    folder.mkdir()
+    os.chmod(folder, 0o755)
+    env = {**services_env, "QEXP_SERVICES_DIR": str(folder), "QEXP_MLFLOW_PORT": str(free_port()),
+           "QEXP_MLFLOW_DATABASE_URI": _service("postgres.sh", "uri", services_env).stdout.strip(),
+           "QEXP_MLFLOW_AUTH_DATABASE_URI": _service("postgres.sh", "auth-uri", services_env).stdout.strip()}
+    started = _service("mlflow_server.sh", "start", env)
+    try:
+        assert started.returncode == 0, started.stderr
+        uri = started.stdout.strip().splitlines()[-1]
+        assert not (folder / "pg").exists()  # no PostgreSQL of its own
+        assert requests.get(f"{uri}/api/2.0/mlflow/experiments/search?max_results=1", timeout=30).status_code == 401
+        assert ({e.name for e in MlflowClient(uri).search_experiments()}
+                == {e.name for e in MlflowClient(team_store).search_experiments()})  # the same store, same admin
+    finally:
+        _service("mlflow_server.sh", "stop", env)
+    refused = _service("mlflow_server.sh", "start", {**env, "QEXP_MLFLOW_AUTH_DATABASE_URI": ""})
+    assert refused.returncode != 0 and "QEXP_MLFLOW_AUTH_DATABASE_URI" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+
+
 def test_serving_beyond_loopback_without_logins_is_refused(services_env):
     out = _service("mlflow_server.sh", "start", {**services_env, "QEXP_MLFLOW_AUTH": "off",
                                                  "QEXP_MLFLOW_HOST": "0.0.0.0"})

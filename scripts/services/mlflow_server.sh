@@ -4,7 +4,9 @@
 #   scripts/services/mlflow_server.sh start   # starts PostgreSQL too; prints the URL to use as tracking.uri
 #   scripts/services/mlflow_server.sh stop    # the server only (postgres.sh stop stops the database)
 # QEXP_MLFLOW_PORT (default 5077), QEXP_MLFLOW_HOST (the address it listens on: default 127.0.0.1; 0.0.0.0 to serve
-# a cluster), QEXP_MLFLOW_WORKERS (default 4).
+# a cluster), QEXP_MLFLOW_WORKERS (default 4). A lab's own PostgreSQL instead of the one postgres.sh starts:
+# QEXP_MLFLOW_DATABASE_URI (runs) and QEXP_MLFLOW_AUTH_DATABASE_URI (logins), SQLAlchemy URIs
+# (postgresql+psycopg2://USER:PASSWORD@HOST:5432/DB), through the environment: they hold a password.
 # Clients on other nodes address the server by a name of this host (http://store-host:5077). MLflow refuses a request
 # whose Host header it does not know (its DNS-rebinding guard: 403 "Invalid Host header"), so the server is started
 # with --allowed-hosts: every name and address of this host (hostname, hostname -f, hostname -I, the listening
@@ -62,7 +64,7 @@ auth_config() {
    cat > "$D/mlflow-auth.ini" <<INI
 [mlflow]
 default_permission = READ
-database_uri = $("$(dirname "$0")/postgres.sh" auth-uri)
+database_uri = ${QEXP_MLFLOW_AUTH_DATABASE_URI:-$("$(dirname "$0")/postgres.sh" auth-uri)}
 admin_username = admin
 authorization_function = mlflow.server.auth:authenticate_request_basic_auth
 # a verified login is remembered for 60 s per worker: checking a password (scrypt) costs ~0.12 s of CPU and a run
@@ -86,7 +88,13 @@ QEXP_MLFLOW_TRUSTED_NETWORK=1 if everyone on that network may" ;;
   esac
   if running "$D/mlflow.pid"; then echo "$URL"; return 0; fi
   local store app=()
-  store=$("$(dirname "$0")/postgres.sh" start)
+  if [ -n "${QEXP_MLFLOW_DATABASE_URI:-}" ]; then  # the lab's own PostgreSQL: none is started here
+    [ "$AUTH" = off ] || [ -n "${QEXP_MLFLOW_AUTH_DATABASE_URI:-}" ] || die "QEXP_MLFLOW_DATABASE_URI without \
+QEXP_MLFLOW_AUTH_DATABASE_URI: give the database for the logins too (another database on the same server)"
+    store=$QEXP_MLFLOW_DATABASE_URI
+  else
+    store=$("$(dirname "$0")/postgres.sh" start)
+  fi
   if [ "$AUTH" = on ]; then
     auth_config
     app=(--app-name basic-auth)
