@@ -66,7 +66,11 @@ def log_to_parent(experiment: str, sweep: str, paths: List[Path]) -> Optional[st
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m qexp.report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m qexp.report", description=__doc__.split("\n\n")[0],
+        epilog="python -m qexp.report leaderboard [--tracking-uri URI] [--out FILE] [--readme FILE]: the best program "
+        "per model, budget class and method, from the committed tables (results/leaderboard.yaml) or a store "
+        "(results/leaderboard.md, and the README's headline table)")
     parser.add_argument("--experiment", default="sweeps", help="MLflow experiment (default: sweeps)")
     parser.add_argument("--sweep", help="only the runs of this sweep (its tracking.sweep name)")
     parser.add_argument("--filter", default="", help="MLflow filter, e.g. \"params.observer.name = 'minmax'\"")
@@ -166,6 +170,11 @@ def _tabulate(args: argparse.Namespace, runs: pd.DataFrame) -> Report:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    given = list(argv if argv is not None else sys.argv[1:])
+    if given[:1] == ["leaderboard"]:
+        from qexp.report.leaderboard import main as leaderboard
+
+        return leaderboard(given[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.replot:
