@@ -4,6 +4,8 @@ The report over real Hydra multiruns is in test_sweep.py."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -260,6 +262,8 @@ def test_main_on_a_store_of_legacy_runs(tmp_path):
     for header in ("backend", "KV mode", "PPL deployed", "Δ vs FP", "target"):
         assert f" {header} " in md
     assert "not phone speed" in md and "first 255 predicted tokens" in md
+    # the header says where and when: hosts (CPU), code commits, dates (legacy runs lack the first two: "?")
+    assert re.search(r"3 runs; host \? \(\?\), code commit \?, run 20\d\d-\d\d-\d\d\)", md), md[:600]
     data = pd.read_csv(out / "grid.csv")
     assert sorted(data["ppl_deployed"].dropna()) == [23.1, 27.0]
     assert {"deployed_eval_tokens", "ppl_qdq_sub", "ppl_deployed_vs_qdq"} <= set(data.columns)

@@ -50,6 +50,20 @@ def write(report: Report, name: str, command: str, source: str, out_dir: Path = 
     return [md, csv] + images
 
 
+def provenance(runs: pd.DataFrame) -> str:
+    """Where and when the runs were made, for a table's header: their hosts (CPU), code commits and dates."""
+    def values(name: str) -> str:
+        found = sorted({str(v) for v in runs[name].dropna()}) if name in runs else []
+        return ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "") if found else "?"
+
+    commits = runs["tags.git_commit"].dropna().astype(str).str[:7] if "tags.git_commit" in runs else pd.Series([])
+    dates = pd.to_datetime(runs["start_time"]).dt.strftime("%Y-%m-%d") if "start_time" in runs else pd.Series([])
+    span = f"{dates.min()} to {dates.max()}" if len(dates) and dates.min() != dates.max() else \
+        (dates.min() if len(dates) else "?")
+    return (f"host {values('tags.host')} ({values('tags.cpu')}), code commit "
+            f"{', '.join(sorted(set(commits))[:4]) or '?'}, run {span}")
+
+
 def log_to_parent(experiment: str, sweep: str, paths: List[Path]) -> Optional[str]:
     """Attach the report to the sweep's latest parent run."""
     import mlflow
@@ -191,7 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"{n} {status}" for status, n in sorted(left_out.items())) + ".")
         name = args.name or args.sweep or args.experiment
         source = f"MLflow experiment `{args.experiment}`" + (f", sweep `{args.sweep}`" if args.sweep else "")
-        paths = write(report, name, command, source + f" ({len(runs)} runs)", Path(args.out_dir))
+        paths = write(report, name, command, source + f" ({len(runs)} runs; {provenance(runs)})", Path(args.out_dir))
         parent = log_to_parent(args.experiment, args.sweep, paths) if args.sweep else None
     except QexpError as exc:
         print(f"qexp.report: error: {exc}", file=sys.stderr)
