@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: torch and qexp are imported where used (lazily)
     import torch
 
-    from qexp.transforms.grid import WeightGrid
+    from qexp.quant.grid import WeightGrid
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -108,7 +108,7 @@ def quantized_linears(overrides: list, layers: str, held_out_windows: int):
 
     from qexp.pipeline import prepare
     from qexp.transforms.capture import LayerByLayer, input_of, private_static
-    from qexp.transforms.grid import grid_for, layer_linears
+    from qexp.quant.grid import grid_for, layer_linears
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[*overrides, "backend=none"])

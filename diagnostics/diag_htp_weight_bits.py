@@ -71,7 +71,7 @@ def real_inputs(cfg, weight_key: str, batch: int = 32) -> tuple[torch.Tensor, li
     calibration samples: (weight, [batch, in_features] rows of every sample but the last, the last sample's rows)."""
     from qexp.models.static_llama import window_logits
     from qexp.pipeline import prepare
-    from qexp.transforms.grid import static_module_path
+    from qexp.quant.grid import static_module_path
 
     state = prepare(cfg, "calibration")
     static = state.fp_static

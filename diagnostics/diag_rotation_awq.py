@@ -68,7 +68,7 @@ def main() -> None:
     from qexp.eval.uncertainty import ppl_ratio_interval
     from qexp.pipeline import prepare
     from qexp.transforms import TransformContext, apply_transforms, build_transforms, model_transforms
-    from qexp.transforms.grid import grid_for, layer_linears
+    from qexp.quant.grid import grid_for, layer_linears
 
     overrides = args.overrides or ["quant=16a4w_block", "quant.block_size=32"]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -118,7 +118,7 @@ def first_token(cfg, state, kind: str) -> None:
     from benchmarks.common import weight_only_evaluation
     from qexp.eval.uncertainty import ppl_ratio_interval
     from qexp.transforms import TransformContext, apply_transforms, build_transforms
-    from qexp.transforms.grid import grid_for
+    from qexp.quant.grid import grid_for
 
     rotation = build_transforms({"rotation": cfg.algorithm.get("rotation") or {}})
     models = {"float": state.model,
@@ -221,7 +221,7 @@ def first_token_of_stack(cfg, state, stack) -> None:
 def layer_errors(cfg, state, windows: int) -> None:
     from qexp.transforms import TransformContext, apply_transforms, build_transforms
     from qexp.transforms.capture import LayerByLayer, input_of, private_static
-    from qexp.transforms.grid import grid_for
+    from qexp.quant.grid import grid_for
 
     rotation = build_transforms({"rotation": cfg.algorithm.get("rotation") or {}})
     rotated = apply_transforms(state.model, rotation, TransformContext(cfg, None, state.cache, state.timer))

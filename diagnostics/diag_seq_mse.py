@@ -1,10 +1,10 @@
 """Diagnostic: why ExecuTorch's SeqMSE loses to round-to-nearest on SmolLM2 (results/algorithms_paired.md).
 
-ExecuTorch's pass (executorch/backends/qualcomm/_passes/seq_mse.py, run by qexp/quant/seq_mse.py as upstream's llama
-flow runs it) picks, per linear, ONE factor f for all of the layer's weight scales (candidates 1/n .. 1, then a fine
-sweep around the best), minimising the mean square of the layer's output error on ONE calibration sample (256
+ExecuTorch's pass (executorch/backends/qualcomm/_passes/seq_mse.py, run by qexp/transforms/seq_mse.py as upstream's
+llama flow runs it) picks, per linear, ONE factor f for all of the layer's weight scales (candidates 1/n .. 1, then a
+fine sweep around the best), minimising the mean square of the layer's output error on ONE calibration sample (256
 tokens), the float inputs. This script redoes that search for the linears of a few decoder layers, on the QNN grid
-(qexp/transforms/grid.py), and asks three questions of each layer:
+(qexp/quant/grid.py), and asks three questions of each layer:
 
 - share0: how much of the sample's output energy ||W x_t||^2 is carried by its first token (SmolLM2's attention-sink
   token carries massive activations), and f / f_no0: the factor chosen with and without that token;
@@ -164,7 +164,7 @@ def main() -> None:
     if args.whole_model:
         return whole_model(args, overrides)
     cfg, state, linears = quantized_linears(overrides, args.layers, args.held_out_windows)
-    first = len(state.calibration.samples[0])  # SeqMSE's sample: the first one, as qexp/quant/seq_mse.py runs it
+    first = len(state.calibration.samples[0])  # SeqMSE's sample: the first one, as qexp/transforms/seq_mse.py runs it
     print(f"{cfg.quant.scheme}, SeqMSE sample: {first} tokens; held out: {args.held_out_windows} windows")
     print("layer linear  share0     f   f_no0 | sample: rtn upstream | held out: rtn upstream per_row | up/rtn | "
           "gain: rtn upstream per_row")

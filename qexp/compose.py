@@ -4,10 +4,11 @@ resolved config.yaml (what `python -m qexp.lm_eval --model_args run=<id>` and th
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import List, Optional
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+from qexp.provenance import REPO_ROOT
+
+CONF_DIR = REPO_ROOT / "conf"
 
 
 def compose(overrides: List[str], config_name: str = "config"):

@@ -336,7 +336,7 @@ def _score_deployed(state, deployed) -> None:
 def grid_tags(cfg) -> dict:
     """What the decoder's linears and the lm head were quantized to, and whether a QNN backend can run it."""
     from qexp.config import QDQ_ONLY_SCHEMES
-    from qexp.transforms.grid import grid_for
+    from qexp.quant.grid import grid_for
 
     weight_grid = grid_for(cfg.quant, "layers.0.attention.wq.weight").describe()
     if str(cfg.quant.get("weight_range", "narrow")).endswith("full") and weight_grid.startswith("int4"):

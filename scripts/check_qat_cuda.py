@@ -37,7 +37,7 @@ def train_on(device: str, overrides: list, cache_dir: str) -> dict:
     from qexp.provenance import pin_cpu_numerics
     from qexp.timing import StageTimer
     from qexp.transforms import TransformContext, apply_transforms, build_transforms, model_transforms
-    from qexp.transforms.grid import grid_for
+    from qexp.quant.grid import grid_for
 
     cfg = compose([*overrides, f"cache_dir={cache_dir}", f"algorithm.qat.device={device}"])
     transforms = model_transforms(build_transforms(cfg.algorithm))

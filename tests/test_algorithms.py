@@ -1,4 +1,4 @@
-"""Quantization algorithms (qexp/transforms, qexp/quant/seq_mse.py) on the tiny model and on synthetic layers:
+"""Quantization algorithms (qexp/transforms, qexp/transforms/seq_mse.py) on the tiny model and on synthetic layers:
 each against its paper's definition, against the QNN grid QnnQuantizer really uses, composed, cached, and refused
 where it cannot serve the config."""
 
@@ -15,7 +15,7 @@ from qexp.pipeline import prepare, run_experiment, validate
 from qexp.timing import StageTimer
 from qexp.transforms import TransformContext, apply_transforms, build_transforms
 from qexp.transforms.awq import awq_loss, search_scale
-from qexp.transforms.grid import WeightGrid, grid_for, layer_linears, static_module_path
+from qexp.quant.grid import WeightGrid, grid_for, layer_linears, static_module_path
 from qexp.transforms.gptq import gptq_quantize, hessian
 from qexp.transforms.smoothquant import smoothing_scales
 from qexp.transforms.weight_clip import mse_scales
@@ -387,7 +387,7 @@ def test_algorithms_refuse_configs_they_cannot_serve(compose, overrides, message
 
 def test_smoothquant_serves_8bit_overrides_on_the_linears_it_smooths(compose):
     """The paper's setting on a 16-bit-activation scheme: the smoothed linears' inputs at 8 bits by an override."""
-    from qexp.transforms.grid import activation_bits_for
+    from qexp.quant.grid import activation_bits_for
 
     cfg = compose(TINY + ["quant=16a8w", "algorithm=[smoothquant]",
                           "+quant.overrides=[{pattern: 'layers\\.0\\.attention\\.wq_conv', scheme: 8a8w}]"])

@@ -29,7 +29,7 @@ def test_layer_by_layer_capture_and_the_weight_searches_run_on_another_device(ti
     from qexp.transforms.awq import search_clip
     from qexp.transforms.capture import LayerByLayer, input_of, private_static
     from qexp.transforms.gptq import gptq_quantize, hessian
-    from qexp.transforms.grid import grid_for, layer_linears
+    from qexp.quant.grid import grid_for, layer_linears
     from qexp.transforms.weight_clip import block_gram, output_mse_scales
 
     state, cfg = tiny_state, tiny_state.cfg

@@ -11,7 +11,7 @@ from helpers import TINY, program_weights
 from qexp.config import BlockScaleRounding
 from qexp.pipeline import prepare
 from qexp.quant.lpbq import SCALE_STEPS, quantize_block_scales
-from qexp.transforms.grid import WeightGrid
+from qexp.quant.grid import WeightGrid
 
 
 def lowering_encoding(scales: torch.Tensor):

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from helpers import REPO, TINY, program_weights
 from qexp.errors import ConfigError, InputError
 from qexp.pipeline import prepare, run_experiment, validate
-from qexp.transforms.grid import grid_for, layer_linears
+from qexp.quant.grid import grid_for, layer_linears
 
 QAT = TINY + ["algorithm=[qat]", "algorithm.qat.tokens=1024", "algorithm.qat.grad_accum=2",
               "algorithm.qat.validations=4", "algorithm.qat.lr=1e-3"]
@@ -222,7 +222,7 @@ def test_weights_quantized_once_per_step_get_the_per_sequence_gradients(learn_sc
     scales the gradients that fake-quantizing in every forward gives, to float summation order; a frozen weight
     gets none."""
     from qexp.qat.fake_quant import attach, quantized_once
-    from qexp.transforms.grid import WeightGrid
+    from qexp.quant.grid import WeightGrid
 
     torch.manual_seed(0)
     grid = WeightGrid(bits=4, block_size=block or None)

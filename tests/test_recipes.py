@@ -12,7 +12,7 @@ from qexp.cache import Cache
 from qexp.errors import ConfigError
 from qexp.models.sources import load_model
 from qexp.pipeline import prepare, validate
-from qexp.transforms.grid import grid_for, static_module_path
+from qexp.quant.grid import grid_for, static_module_path
 
 # recipe preset -> the tiny family standing in for its model (same layer names; tiny dims divide every block size)
 RECIPES = {"recipe_qwen2_5_0_5b": "qwen2", "recipe_qwen3_0_6b": "qwen3", "recipe_llama3_2_1b": "llama",

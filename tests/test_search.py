@@ -57,7 +57,7 @@ def test_pareto_front_keeps_the_undominated_recipes():
 
 
 def test_a_search_sweep_its_trials_front_and_recipes(tmp_path, cache_dir, store_uri, compose):
-    from qexp.transforms.grid import grid_for
+    from qexp.quant.grid import grid_for
 
     recipes, sweep_dir = tmp_path / "quant", tmp_path / "sweep"
     args = [*SEARCH, f"cache_dir={cache_dir}", f"tracking.uri={store_uri}", "tracking.experiment=tests-search",

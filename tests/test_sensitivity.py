@@ -66,7 +66,7 @@ def test_replay_from_any_layer_equals_the_whole_forward(compose_sensitivity):
     from qexp.sensitivity.groups import model_groups
     from qexp.sensitivity.measure import GroupWeights, start_layer
     from qexp.sensitivity.replay import LayerReplay
-    from qexp.transforms.grid import WeightGrid
+    from qexp.quant.grid import WeightGrid
 
     cfg = compose_sensitivity(SENS)
     state = prepare(cfg, through="transform")
@@ -95,7 +95,7 @@ def test_a_tied_lm_head_and_embedding_are_quantized_apart(compose_sensitivity):
     from qexp.sensitivity.groups import model_groups
     from qexp.sensitivity.measure import GroupWeights
     from qexp.transforms.capture import private_static
-    from qexp.transforms.grid import WeightGrid
+    from qexp.quant.grid import WeightGrid
 
     state = prepare(compose_sensitivity(SENS), through="load")
     module = private_static(state.model, 32, state.cfg.model).module
@@ -113,7 +113,7 @@ def test_a_tied_lm_head_and_embedding_are_quantized_apart(compose_sensitivity):
 def test_tracked_analysis_its_cache_and_a_recipe_a_run_uses(compose_sensitivity, compose, store_uri, tmp_path):
     from qexp.pipeline import run_experiment, validate
     from qexp.sensitivity.run import recipe_name, run_analysis
-    from qexp.transforms.grid import grid_for
+    from qexp.quant.grid import grid_for
 
     # its own cache: another test's identical analysis (the search sweep's) may have run in this worker first
     cfg = compose_sensitivity(SENS + [f"sensitivity.recipe_dir={tmp_path / 'quant'}", "sensitivity.budgets=[0.5]",

@@ -15,7 +15,7 @@ from qexp.speed.bytes import Shapes, stream_bytes, weight_bytes
 from qexp.speed.data import published, quant_config
 from qexp.speed.ddr import parse, total
 from qexp.speed.fit import fitted
-from qexp.transforms.grid import WeightGrid
+from qexp.quant.grid import WeightGrid
 
 SMOLLM2 = Shapes(n_layers=30, dim=576, hidden_dim=1536, n_heads=9, n_kv_heads=3, head_dim=64, vocab_size=49152)
 

@@ -152,7 +152,7 @@ class StaticLlama:
     def static_layout(self, key: str, value: torch.Tensor) -> Tuple[str, torch.Tensor]:
         """A Meta-layout per-row tensor (a linear's weight, or its per-row ranges) -> (this module's parameter name,
         the rows in this module's order): q/k rows go to the RoPE layout when the arch uses it."""
-        from qexp.transforms.grid import static_module_path
+        from qexp.quant.grid import static_module_path
 
         if self.transform_weight and key.endswith(("attention.wq.weight", "attention.wk.weight")):
             heads = self.args.n_heads if key.endswith("wq.weight") else self.args.n_kv_heads

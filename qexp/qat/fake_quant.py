@@ -1,4 +1,4 @@
-"""The run's weight grid (qexp/transforms/grid.py: QnnQuantizer's symmetric per-channel or LPBQ per-block grid) as a
+"""The run's weight grid (qexp/quant/grid.py: QnnQuantizer's symmetric per-channel or LPBQ per-block grid) as a
 straight-through fake quantizer on the static llama's conv weights, for training.
 
 Forward: q = clamp(round(w / s), -qmax, qmax) x s with the grid's scales s, fixed when training starts (the
@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from qexp.errors import ConfigError
-from qexp.transforms.grid import SCALE_EPS, WeightGrid
+from qexp.quant.grid import SCALE_EPS, WeightGrid
 
 
 def _straight_through(w, s, qmax, g, scale_grad: bool):

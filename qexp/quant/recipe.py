@@ -109,7 +109,7 @@ def recipe_steps(quant: QuantConfig, observer: ObserverConfig) -> list:
     ("QuantRecipe"), then its add_node_target / add_regex calls, then one ("annotation", (name,), {}) per custom
     annotation. `build_recipe` runs them; qexp/quant/export.py writes them out as an ExecuTorch recipe class, so the
     two cannot differ."""
-    from qexp.transforms.grid import override_weight_regex
+    from qexp.quant.grid import override_weight_regex
 
     act_observer = observer_class(observer)
     dtype = quant_dtype(quant.scheme)
@@ -225,7 +225,7 @@ def check_overrides_match(quant: QuantConfig, shapes: dict) -> None:
     """Every override must select at least one weight layer of the model: a pattern that matches nothing (a typo, a
     layer name of another family) would silently leave the recipe at its default scheme. `shapes` as for
     check_block_sizes."""
-    from qexp.transforms.grid import override_weight_regex, static_module_path, weight_layers
+    from qexp.quant.grid import override_weight_regex, static_module_path, weight_layers
 
     if quant.scheme == NO_QUANT or not quant.overrides:
         return
@@ -247,7 +247,7 @@ def check_block_sizes(quant: QuantConfig, shapes: dict) -> None:
     """Every per-block weight's input channels must split into whole blocks: one line naming the layer and the sizes
     that would fit. `shapes`: Meta weight name -> shape, from the model's metadata before any work
     (qexp/models/shapes.py) and again from the loaded weights."""
-    from qexp.transforms.grid import grid_for, static_module_path, weight_layers
+    from qexp.quant.grid import grid_for, static_module_path, weight_layers
 
     if quant.scheme == NO_QUANT:
         return

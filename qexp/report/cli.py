@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence
 import pandas as pd
 
 from qexp.errors import QexpError
+from qexp.provenance import REPO_ROOT
 from qexp.report.base import Report
 from qexp.report.plots import PLOTS, plot
 from qexp.report.query import load_runs
@@ -28,7 +29,7 @@ from qexp.tracking.sweep import ROLE_TAG, SWEEP_TAG
 from qexp.report.base import ReportError
 from qexp.report.table import COLUMNS, EXTRA_COLUMNS, derived_columns, build_report, formatted
 
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
+RESULTS_DIR = REPO_ROOT / "results"
 
 
 # ---------------------------------------------------------------- output

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from qexp.config import NO_QUANT
 from qexp.report.base import column
 
 DEVICE_OF_TARGET = {"x86_emulator": "HTP (x86 emulator)", "android": "HTP (phone)", "cpu": "XNNPACK (CPU)"}
@@ -56,7 +57,7 @@ def device_table(runs: pd.DataFrame) -> pd.DataFrame:
                    "CPU (QDQ)")
     rows = []
     for i in range(len(runs)):
-        if scheme.iloc[i] == "fp32" or pd.isna(num("metrics.ppl_qdq").iloc[i]):
+        if scheme.iloc[i] == NO_QUANT or pd.isna(num("metrics.ppl_qdq").iloc[i]):
             continue
         rows.append([model.iloc[i], scheme.iloc[i], config.iloc[i], cpu[i], num("metrics.ppl_qdq_sub").iloc[i],
                      num("metrics.ppl_qdq").iloc[i], num("metrics.ppl_qdq_vs_fp").iloc[i], deployable.iloc[i]])
@@ -67,9 +68,9 @@ def device_table(runs: pd.DataFrame) -> pd.DataFrame:
                          deployable.iloc[i]])
     fp = pd.DataFrame({"model": model, "ppl": num("metrics.ppl_fp")}).dropna().drop_duplicates("model")
     for _, row in fp.iterrows():
-        rows.append([row["model"], "fp32", "-", "CPU (PyTorch)", np.nan, row["ppl"], 0.0, "-"])
+        rows.append([row["model"], NO_QUANT, "-", "CPU (PyTorch)", np.nan, row["ppl"], 0.0, "-"])
     table = _merge_repeated_qdq_rows(pd.DataFrame(rows, columns=HEADERS))
-    order = {"fp32": 0}
+    order = {NO_QUANT: 0}
     table["_fp"] = table["precision"].map(order).fillna(1)
     table = table.sort_values(["model", "_fp", "precision", "config", "device"], kind="stable").drop(columns="_fp")
     return table.reset_index(drop=True)

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional
 
 import pandas as pd
 
+from qexp.config import NO_QUANT
 from qexp.provenance import REPO_ROOT
 
 RESULTS = REPO_ROOT / "results"
@@ -90,7 +91,7 @@ def from_results(manifest: Path = MANIFEST) -> pd.DataFrame:
 def board(rows: pd.DataFrame) -> Dict[tuple, pd.DataFrame]:
     """{(model, text, windows, tokens): the best row per (class, method)}, sections in a stable order."""
     rows = rows[rows["delta_vs_fp"].notna() & rows["delta_vs_fp_ci_low"].notna()].copy()
-    rows = rows[~rows.apply(lambda r: str(_first(r, "params.quant.name", "scheme")) in ("fp32", "None"), axis=1)]
+    rows = rows[~rows.apply(lambda r: str(_first(r, "params.quant.name", "scheme")) in (NO_QUANT, "None"), axis=1)]
     rows["class"] = rows.apply(budget_class, axis=1)
     rows["method"] = rows.apply(method, axis=1)
     rows = rows.drop_duplicates("run_id", keep="first")

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import pandas as pd
 
+from qexp.config import NO_QUANT
 from qexp.report.base import Report, ReportError, algorithms_from_params, column
 
 # column name -> (MLflow column, header); the default table, in the seeds' order
@@ -79,7 +80,7 @@ def derived_columns(runs: pd.DataFrame) -> pd.DataFrame:
     runs = runs.copy()
     num = lambda name: pd.to_numeric(column(runs, name), errors="coerce")  # noqa: E731
     # QNN observers / calibration mean nothing for runs without a QNN scheme (fp32; XNNPACK quantizes by its qmode)
-    fp32 = (column(runs, "params.quant.scheme").fillna("fp32") == "fp32").to_numpy()
+    fp32 = (column(runs, "params.quant.scheme").fillna(NO_QUANT) == NO_QUANT).to_numpy()
     sampling = column(runs, "params.calibration.sampling").fillna("contiguous").astype(str)
     runs["calibration"] = np.where(
         fp32, "-", column(runs, "params.calibration.name").astype(str) + " "

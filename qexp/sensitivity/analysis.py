@@ -21,7 +21,7 @@ from qexp.config import NO_QUANT, SENSITIVITY_VIEWS, BlockScaleRounding, Granula
 from qexp.errors import ConfigError
 from qexp.sensitivity.groups import Group, grid_bits, grids_for, model_groups, select_groups
 from qexp.sensitivity.program import analysed_model, program_weights, start_model, validate_low_weights
-from qexp.transforms.grid import WeightGrid, weight_bits
+from qexp.quant.grid import WeightGrid, weight_bits
 
 log = logging.getLogger("qexp")
 

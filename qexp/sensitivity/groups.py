@@ -15,7 +15,7 @@ from typing import List, Optional
 import torch
 
 from qexp.errors import ConfigError
-from qexp.transforms.grid import WeightGrid, static_module_path
+from qexp.quant.grid import WeightGrid, static_module_path
 
 # Meta linear name -> the name a researcher uses for it
 PROJECTIONS = {"wq": "q", "wk": "k", "wv": "v", "wo": "o", "w1": "gate", "w3": "up", "w2": "down"}

@@ -24,7 +24,7 @@ import torch
 from qexp.errors import ConfigError
 from qexp.quant.lpbq import quantize_block_scales
 from qexp.sensitivity.groups import Group
-from qexp.transforms.grid import SCALE_EPS, WeightGrid, grid_for, weight_layers
+from qexp.quant.grid import SCALE_EPS, WeightGrid, grid_for, weight_layers
 
 
 @dataclass

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from qexp.transforms.grid import activation_bits, grid_for, layer_linears
+from qexp.quant.grid import activation_bits, grid_for, layer_linears
 
 # Bytes of one output channel's fp32 scale, of one LPBQ block scale (a 4-bit multiple of the channel's unit).
 CHANNEL_SCALE_BYTES = 4

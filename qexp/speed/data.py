@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from qexp.errors import ConfigError
+from qexp.provenance import REPO_ROOT
 from qexp.speed.bytes import Shapes, StreamBytes, stream_bytes
 
 DATA_FILE = Path(__file__).with_name("published.yaml")
-CONF_QUANT = Path(__file__).resolve().parents[2] / "conf" / "quant"
+CONF_QUANT = REPO_ROOT / "conf" / "quant"
 
 
 @dataclass(frozen=True)

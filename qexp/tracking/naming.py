@@ -11,6 +11,8 @@ from typing import Dict, List, Optional, Sequence
 
 from omegaconf import DictConfig
 
+from qexp.config import NO_QUANT
+
 NOTE_TAG = "mlflow.note.content"  # the run's / experiment's description in the MLflow UI
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 # A classic model-development experiment: MLflow 3 opens it on the runs table, not on the GenAI trace overview.
@@ -53,7 +55,7 @@ def run_name(cfg: DictConfig, scheme: str, overrides: Sequence[str] = (), varied
     parts: List[str] = [str(cfg.model.name), scheme, algorithm, str(cfg.backend.name)]
     extras = [o.lstrip("+~") for o in overrides if _key(o) in varied and _key(o) not in _NAMED_BY_BASE
               and not _key(o).startswith("algorithm.") and _key(o).split(".")[0] not in _NOT_RESULTS]
-    if not varied and cfg.observer.name != "minmax" and cfg.quant.scheme != "fp32":
+    if not varied and cfg.observer.name != "minmax" and cfg.quant.scheme != NO_QUANT:
         extras.append(f"observer={cfg.observer.name}")  # a single run: the one non-default axis users change most
     return " · ".join(parts + ([" ".join(extras)] if extras else []))
 

@@ -17,8 +17,7 @@ from qexp.transforms.base import (
 )
 
 # the algorithms (importing registers them)
-from qexp.transforms import awq, gptq, qat, rotation, smoothquant, weight_clip  # noqa: E402,F401
-from qexp.quant import seq_mse  # noqa: E402,F401
+from qexp.transforms import awq, gptq, qat, rotation, seq_mse, smoothquant, weight_clip  # noqa: E402,F401
 
 __all__ = ["TRANSFORMS", "CalibrationAlgorithm", "calibration_algorithms", "model_transforms",
            "validate_transforms", "ModelTransform", "TransformConfig", "TransformContext", "algorithm_label",

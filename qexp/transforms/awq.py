@@ -9,7 +9,7 @@ objective (its Eq. 4-5)
 with s = s_X^a / s_W^(1-a) (a on a grid of `n_grid` points in [0, 1); `duo_scaling`, as llm-awq/AutoAWQ) or
 s = s_X^a, where s_X is the mean |x| of each input channel and s_W the mean normalised |w|; s is normalised by
 sqrt(max(s) min(s)). The scale is folded into the preceding op (norm weight / s, or the previous linear's rows / s),
-so the float model keeps its function. Q is the grid QnnQuantizer will use for that layer (qexp/transforms/grid.py:
+so the float model keeps its function. Q is the grid QnnQuantizer will use for that layer (qexp/quant/grid.py:
 symmetric, [-qmax, qmax], per channel or per block), not a generic asymmetric one.
 
 Then, with `clip`, llm-awq's weight clipping: per output channel (and block), the max |w| is shrunk by the factor
@@ -34,7 +34,7 @@ from tqdm import tqdm
 from qexp.errors import ConfigError
 from qexp.transforms.base import GridSearchTransform, TransformConfig, register_transform
 from qexp.transforms.capture import LayerByLayer, private_static
-from qexp.transforms.grid import WeightGrid, grid_for
+from qexp.quant.grid import WeightGrid, grid_for
 from qexp.transforms.weight_clip import clip_candidates
 
 log = logging.getLogger("qexp")

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional,
 from omegaconf import OmegaConf
 
 from qexp.cache import stable_hash
+from qexp.config import NO_QUANT
 from qexp.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -145,7 +146,7 @@ class GridSearchTransform(ModelTransform):
     needs_grid_because: ClassVar[str] = "searches against a quantization grid"
 
     def validate(self, cfg) -> None:
-        if cfg.quant.scheme == "fp32":
+        if cfg.quant.scheme == NO_QUANT:
             raise ConfigError(f"algorithm {self.name} {self.needs_grid_because}, and quant=fp32 has none",
                               "choose a weight-quantized scheme, e.g. quant=16a4w")
 

@@ -7,7 +7,7 @@ through the upper Cholesky factor of H^-1 (the paper's Algorithm 1, with its laz
 columns and optional act-order: columns by decreasing diag H). Layers are processed in order, each layer's inputs
 captured from the model whose earlier layers are already quantized (the reference implementation's sequential mode).
 
-The grid is QnnQuantizer's (qexp/transforms/grid.py). Per-channel scales are fixed before the updates, from the
+The grid is QnnQuantizer's (qexp/quant/grid.py). Per-channel scales are fixed before the updates, from the
 original weights (as the reference does without groups). Per-block scales are, as in the reference implementation's
 `groupsize` mode, chosen when GPTQ reaches each block, from the block's weights as the earlier columns' error
 updates left them (`static_groups=true`: all from the original weights, which act-order needs to keep QNN's block
@@ -43,7 +43,7 @@ from qexp.errors import ConfigError
 from qexp.quant.lpbq import SCALE_STEPS, scale_steps
 from qexp.transforms.base import GridSearchTransform, TransformConfig, register_transform
 from qexp.transforms.capture import LayerByLayer, input_of, private_static
-from qexp.transforms.grid import SCALE_EPS, WeightGrid, grid_for, layer_linears
+from qexp.quant.grid import SCALE_EPS, WeightGrid, grid_for, layer_linears
 
 
 

@@ -23,7 +23,7 @@ import torch
 
 from qexp.errors import ConfigError
 from qexp.transforms.base import GridSearchTransform, TransformConfig, register_transform
-from qexp.transforms.grid import grid_for, static_module_path, weight_layers
+from qexp.quant.grid import grid_for, static_module_path, weight_layers
 
 log = logging.getLogger("qexp")
 

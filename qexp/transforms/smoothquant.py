@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qexp.config import NO_QUANT
 from qexp.errors import ConfigError
 from qexp.transforms.base import ModelTransform, TransformConfig, register_transform
 from qexp.transforms.capture import LayerByLayer
@@ -50,14 +51,14 @@ class SmoothQuant(ModelTransform):
     needs_calibration = True
 
     def validate(self, cfg) -> None:
-        from qexp.transforms.grid import activation_bits_for
+        from qexp.quant.grid import activation_bits_for
 
         scheme = cfg.quant.scheme
         # The linears it smooths must read 8-bit activations: the scheme's, or an override's on those linears (the
         # paper's setting: 8-bit GEMM inputs beside higher-precision norms and residual adds). Checked over layer
         # indices up to 256, so a layer-range override (layers\.[0-3]\.) counts.
         smoothed = [f"layers.{i}.{name}.weight" for i in range(256) for name in SMOOTHED_LINEARS]
-        if scheme == "fp32" or all(activation_bits_for(cfg.quant, key) != 8 for key in smoothed):
+        if scheme == NO_QUANT or all(activation_bits_for(cfg.quant, key) != 8 for key in smoothed):
             raise ConfigError(f"algorithm smoothquant smooths 8-bit activations; quant={scheme} gives the linears it "
                               f"smooths (q/k/v, gate/up) {'none' if scheme == 'fp32' else '16-bit ones'}",
                               "use it with quant=8a8w or quant=8a4w, or an 8-bit-activation override on those "

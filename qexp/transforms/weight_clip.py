@@ -40,7 +40,7 @@ from qexp.errors import ConfigError
 from qexp.quant.lpbq import SCALE_STEPS
 from qexp.transforms.base import GridSearchTransform, TransformConfig, register_transform
 from qexp.transforms.capture import LayerByLayer, input_of, private_static
-from qexp.transforms.grid import SCALE_EPS, WeightGrid, grid_for, layer_linears
+from qexp.quant.grid import SCALE_EPS, WeightGrid, grid_for, layer_linears
 
 # the GPTQ reference's Quantizer.configure defaults
 N_GRID, MAX_SHRINK, NORM = 100, 0.8, 2.4

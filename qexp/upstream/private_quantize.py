@@ -104,7 +104,7 @@ def quantizer_keeping_hadamard_matmul(qnn_quantizer_cls):
 
 def seq_mse_search(prepared, forward, candidates: int):
     """Run ExecuTorch's SeqMSE on `prepared` for one `forward()`; returns [(weight observer, best scale factor)] and
-    leaves the observers unpatched (qexp bakes the factor into their range: qexp/quant/seq_mse.py).
+    leaves the observers unpatched (qexp bakes the factor into their range: qexp/transforms/seq_mse.py).
 
     Private reach: `executorch.backends.qualcomm._passes` (SeqMSE, SeqMseModule) and the method SeqMSE patches onto
     each observer. Tested by tests/test_algorithms.py (the searched scales reach the QDQ program), which fails if

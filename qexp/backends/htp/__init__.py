@@ -11,7 +11,7 @@ import math
 from qexp.backends.base import Backend, PhaseInputs, PhaseResult
 from qexp.backends.htp.config import HtpConfig, ModelMode
 from qexp.backends.registry import register_backend
-from qexp.config import KV_8BIT_ANNOTATION
+from qexp.config import KV_8BIT_ANNOTATION, NO_QUANT
 from qexp.errors import ConfigError
 
 log = logging.getLogger("qexp")
@@ -31,7 +31,7 @@ class HtpBackend(Backend):
         from qexp.models.static_llama import uses_r3
 
         backend, bench = cfg.backend, cfg.backend.bench
-        if cfg.quant.scheme == "fp32":
+        if cfg.quant.scheme == NO_QUANT:
             raise ConfigError("backend=htp needs a quantized scheme, not quant=fp32", "choose e.g. quant=16a8w")
         if backend.max_seq_len != cfg.export.max_context_len:
             raise ConfigError(
@@ -120,7 +120,7 @@ def _check_one_kv_cache_width(quant) -> None:
     written after RoPE, keeps the scheme's) mixes them: measured on the tiny model, 16a8w with wv at 8a8w compiled
     and returned garbage (top-1 agreement with QDQ 0.000), 8a8w with wv at 16a8w aborted the emulator. The lowering
     checks the graph itself again (lower.check_one_kv_cache_width) for whatever this prediction misses."""
-    from qexp.transforms.grid import activation_bits, activation_bits_for
+    from qexp.quant.grid import activation_bits, activation_bits_for
 
     if KV_8BIT_ANNOTATION in quant.custom_annotations:  # every cache at 8 bits whatever the projections get
         return

@@ -7,6 +7,7 @@ from __future__ import annotations
 from qexp.backends.base import Backend, PhaseInputs, PhaseResult
 from qexp.backends.registry import register_backend
 from qexp.backends.xnnpack.config import BROKEN_QMODES, GROUPED, QMODES, XnnpackConfig
+from qexp.config import NO_QUANT
 from qexp.errors import ConfigError
 
 
@@ -20,7 +21,7 @@ class XnnpackBackend(Backend):
 
     def validate(self, cfg) -> None:
         backend = cfg.backend
-        if cfg.quant.scheme != "fp32":
+        if cfg.quant.scheme != NO_QUANT:
             raise ConfigError(
                 f"quant={cfg.quant.name} is a QNN (HTP) scheme; backend=xnnpack quantizes with backend.qmode",
                 f"use quant=fp32 with backend=xnnpack backend.qmode=8da4w (or {', '.join(QMODES)})",

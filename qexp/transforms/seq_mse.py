@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qexp.config import NO_QUANT
 from qexp.errors import ConfigError
 from qexp.transforms.base import CalibrationAlgorithm, TransformConfig, register_transform
 
@@ -34,7 +35,7 @@ class SeqMse(CalibrationAlgorithm):
     def validate(self, cfg) -> None:
         from qexp.config import Granularity
 
-        if cfg.quant.scheme == "fp32":
+        if cfg.quant.scheme == NO_QUANT:
             raise ConfigError("algorithm seq_mse searches weight scales, and quant=fp32 has none",
                               "choose a quantized scheme, e.g. quant=16a4w_block")
         if cfg.quant.weight_granularity == Granularity.per_tensor:
