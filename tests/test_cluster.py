@@ -140,6 +140,17 @@ def test_the_store_lets_in_only_who_belongs(team_store, services_env, tmp_path):
     wrong = subprocess.run(run, cwd=REPO, env=_login("alice", "not-her-password"), capture_output=True, text=True,
                            timeout=300)
     assert wrong.returncode != 0 and "refused user 'alice': not logged in" in wrong.stderr, wrong.stderr[-2000:]
+    # the report reads the store with the same login: bob's table of alice's runs; a wrong password is one line
+    report = [sys.executable, "-m", "qexp.report", "--experiment", "alice_exp", "--tracking-uri", team_store,
+              "--out-dir", str(tmp_path / "results"), "--name", "alice"]
+    table = subprocess.run(report, cwd=REPO, env=_login(*bob), capture_output=True, text=True, timeout=300)
+    assert table.returncode == 0 and (tmp_path / "results" / "alice.md").exists(), table.stderr[-2000:]
+    refused_table = subprocess.run(report, cwd=REPO, env=_login("bob", "wrong"), capture_output=True, text=True,
+                                   timeout=300)
+    errors = [line for line in refused_table.stderr.splitlines() if line.startswith("qexp.report: error:")]
+    assert refused_table.returncode == 2 and len(errors) == 1, refused_table.stderr[-2000:]
+    assert "Traceback" not in refused_table.stderr
+    assert "refused user 'bob': not logged in" in refused_table.stderr
     granted = subprocess.run([sys.executable, "-m", "qexp.store", "--uri", team_store, "grant", "alice_exp", "bob",
                               "edit"], cwd=REPO, env=services_env, capture_output=True, text=True, timeout=120)
     assert granted.returncode == 0, granted.stderr

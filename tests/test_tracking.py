@@ -313,3 +313,31 @@ def test_a_store_that_is_away_is_told_from_one_that_refuses(monkeypatch):
                ValueError("a bug")]
     assert [store_is_away(e) for e in away] == [True] * len(away)
     assert [store_is_away(e) for e in refused] == [False] * len(refused)
+
+
+def test_the_sweeps_summary_waits_for_a_store_that_is_away_and_not_for_one_that_refuses(monkeypatch):
+    """patiently(): the errors a closed port gives (real ones, through MLflow's client) are waited out with backoff
+    until the store answers; a refusal raises at once; an outage longer than the limit raises its last error."""
+    from mlflow.exceptions import MlflowException, RestException
+
+    from qexp.tracking.writer import patiently
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    closed = MlflowClient(f"http://127.0.0.1:{free_port()}")
+    calls, slept = [], []
+
+    def store_back_on_third_call():
+        calls.append(1)
+        if len(calls) < 3:
+            closed.set_tag("0" * 32, "k", "v")  # raises: nothing listens there
+        return "written"
+
+    assert patiently("http://x", 60, store_back_on_third_call, sleep=slept.append) == "written"
+    assert len(calls) == 3 and slept == [1.0, 2.0]
+    with pytest.raises(MlflowException):
+        patiently("http://x", 0.5, lambda: closed.set_tag("0" * 32, "k", "v"), sleep=lambda s: None)
+    refused = []
+    with pytest.raises(RestException):
+        patiently("http://x", 60, lambda: refused.append(1) or (_ for _ in ()).throw(
+            RestException({"error_code": "PERMISSION_DENIED", "message": "no"})), sleep=slept.append)
+    assert refused == [1]

@@ -76,7 +76,13 @@ def load_runs(experiment: str, sweep: Optional[str] = None, filter_string: str =
     from qexp.tracking.store import reconcile_once
 
     mlflow.set_tracking_uri(tracking_uri or default_tracking_uri())
-    found = mlflow.get_experiment_by_name(experiment)
+    try:
+        found = mlflow.get_experiment_by_name(experiment)
+    except Exception as exc:  # noqa: BLE001 - a login the served store refuses is one line
+        from qexp.tracking.logins import raise_if_refused
+
+        raise_if_refused(mlflow.get_tracking_uri(), exc, f"read experiment {experiment!r}")
+        raise
     if found is None:
         raise ReportError(f"no MLflow experiment {experiment!r} in {mlflow.get_tracking_uri()}",
                           "pass --experiment (see `make ui`) or --tracking-uri")

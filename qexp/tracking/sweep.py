@@ -201,6 +201,8 @@ class SweepCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from mlflow.tracking import MlflowClient
 
+        from qexp.tracking.writer import patiently
+
         sweep_dir = Path(config.hydra.sweep.dir).resolve()
         os.environ.pop(SWEEP_FILE_ENV, None)
         if (sweep_dir / "multirun.yaml").is_file():  # Hydra writes the command line's values as given
@@ -210,16 +212,20 @@ class SweepCallback(Callback):
         counts = {status: int((jobs["status"] == status).sum()) for status in ("finished", "failed", "skipped")}
         client = MlflowClient(info["tracking_uri"])
         parent = info["parent_run_id"]
+
+        def send(write, *args):  # the store may be restarting as the sweep ends: wait as its jobs did
+            patiently(info["tracking_uri"], config.tracking.outage_s, lambda: write(parent, *args))
+
         for status, count in counts.items():
-            client.log_metric(parent, f"jobs_{status}", count)
-        client.log_metric(parent, "jobs_total", len(jobs))
-        client.log_metric(parent, "time_sweep_s", round(time.time() - getattr(self, "_start", time.time()), 1))
-        client.log_text(parent, jobs.to_csv(index=False), "jobs.csv")
+            send(client.log_metric, f"jobs_{status}", count)
+        send(client.log_metric, "jobs_total", len(jobs))
+        send(client.log_metric, "time_sweep_s", round(time.time() - getattr(self, "_start", time.time()), 1))
+        send(client.log_text, jobs.to_csv(index=False), "jobs.csv")
         if counts["failed"]:
             failed = jobs[jobs["status"] == "failed"]
-            client.set_tag(parent, "error", "; ".join(f"[{r.overrides}] {r.error}" for r in failed.itertuples())[:5000])
-        client.set_tag(parent, NOTE_TAG, sweep_description(info["name"], counts, config.tracking.experiment))
-        client.set_terminated(parent, "FAILED" if counts["failed"] else "FINISHED")
+            send(client.set_tag, "error", "; ".join(f"[{r.overrides}] {r.error}" for r in failed.itertuples())[:5000])
+        send(client.set_tag, NOTE_TAG, sweep_description(info["name"], counts, config.tracking.experiment))
+        send(client.set_terminated, "FAILED" if counts["failed"] else "FINISHED")
         summary = ", ".join(f"{count} {status}" for status, count in counts.items())
         print(f"qexp: sweep {info['name']!r} ({len(jobs)} jobs): {summary}; parent run {parent}; "
               f"table: python -m qexp.report --experiment {config.tracking.experiment} --sweep {info['name']}")

@@ -124,6 +124,24 @@ SENDERS: Dict[str, Callable[[Any, str, Dict[str, Any]], None]] = {
 }
 
 
+def patiently(uri: str, outage_s: float, call: Callable[[], Any], sleep: Callable[[float], None] = time.sleep):
+    """One call to the store, tried again with backoff while the store is away, for up to `outage_s` (a sweep's own
+    bookkeeping, which has no spool: its jobs' runs hold the results); then the last error raises."""
+    started, delay = time.monotonic(), 1.0
+    while True:
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - an outage is waited for; anything else raises as it was
+            waited = time.monotonic() - started
+            if not store_is_away(exc) or waited >= outage_s:
+                raise
+            if delay == 1.0:
+                log.warning("the store at %s does not answer (%s): the sweep's summary waits for it up to %.0f s",
+                            redact_text(uri), _first_line(exc), outage_s)
+            sleep(min(delay, outage_s - waited))
+            delay = min(delay * 2, 30.0)
+
+
 class RunWriter:
     """The writes of one run: sent to the store, tried again while it is away, spooled past `outage_s`."""
 
