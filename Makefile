@@ -2,7 +2,7 @@
 VENV_PY := .venv/bin/python
 EXPERIMENT ?= 16a4w_wikitext
 
-.PHONY: setup run test test-fast bench ui notebook docs results
+.PHONY: setup setup-test run test test-fast bench ui notebook docs results
 
 setup:
 	@bash scripts/setup.sh
@@ -16,11 +16,14 @@ run: setup
 # the units out longest first (tests/durations.txt). PYTEST_WORKERS=2 (or 1) if memory is short.
 PYTEST_WORKERS ?= 3
 
-test: setup
+setup-test:
+	@bash scripts/setup.sh test
+
+test: setup-test
 	@bash scripts/setup_test_system.sh
 	$(VENV_PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25 tests
 
-test-fast: setup
+test-fast: setup-test
 	$(VENV_PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not slow" tests
 
 bench: setup
@@ -39,5 +42,5 @@ notebook: setup
 	$(VENV_PY) scripts/build_notebook.py
 
 # The manual (docs/) as a static site in site/, built strictly (a broken link or a missing page fails).
-docs: setup
+docs: setup-test
 	.venv/bin/mkdocs build --strict -d site

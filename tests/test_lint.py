@@ -14,8 +14,8 @@ PATHS = ["qexp", "hydra_plugins", "tests", "benchmarks", "diagnostics", "scripts
 
 def test_ruff_reports_nothing():
     if importlib.util.find_spec("ruff") is None:
-        # a failure, not a skip: ruff is a pinned test dependency (requirements.txt), so its absence is a broken setup
-        pytest.fail(f"ruff is not installed in {sys.executable}: run `make setup`")
+        # a failure, not a skip: ruff is a pinned test tool (requirements-test.txt), so its absence is a broken setup
+        pytest.fail(f"ruff is not installed in {sys.executable}: run `make setup-test`")
     out = subprocess.run([sys.executable, "-m", "ruff", "check", *PATHS], cwd=REPO, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, f"ruff check {' '.join(PATHS)} failed:\n{out.stdout}{out.stderr}"
