@@ -50,8 +50,8 @@ def sweep_table() -> str:
                      f"{others[SOCS[0]]['decode_bytes_per_token_est'] / 1e6:.1f}",
                      " / ".join(others[soc]["speed_source"] for soc in SOCS), str(row["run_id"])[:8]])
     header = ["model", "scheme", "weight grid", "PPL QDQ", "PPL HTP (x86_emulator)", "Δ vs FP [95%]",
-              *(f"decode tok/s {s}" for s in SOCS), *(f"TTFT ms {s}" for s in SOCS), "MB per decode step", "speed",
-              "run"]
+              *(f"decode tok/s {s} (est.)" for s in SOCS), *(f"TTFT ms {s} (est.)" for s in SOCS),
+              "MB per decode step", "speed", "run"]
     return _markdown(header, rows)
 
 
@@ -78,7 +78,8 @@ def stacks_table() -> str:
                      *(f"{c.decode_tok_s:.0f}" for c in cells), *(f"{c.ttft_ms:.1f}" for c in cells),
                      f"{cells[0].decode_bytes / 1e6:.1f}", str(row["run_id"])[:8]])
     header = ["model", "quant", "weight grid", "algorithm", "calibration samples", "PPL QDQ", "Δ vs FP [95%]",
-              *(f"decode tok/s {s}" for s in SOCS), *(f"TTFT ms {s}" for s in SOCS), "MB per decode step", "run"]
+              *(f"decode tok/s {s} (est.)" for s in SOCS), *(f"TTFT ms {s} (est.)" for s in SOCS),
+              "MB per decode step", "run"]
     return _markdown(header, rows)
 
 

@@ -14,6 +14,7 @@ import pandas as pd
 
 from qexp.config import NO_QUANT
 from qexp.report.base import Report, ReportError, algorithms_from_params, column
+from qexp.report.speeds import EMULATED, SPEEDS, speed_columns, speed_headers  # noqa: F401 - EMULATED for others
 
 # column name -> (MLflow column, header); the default table, in the seeds' order
 COLUMNS: Dict[str, tuple[str, str]] = {
@@ -73,7 +74,6 @@ COMPARABILITY = {
 MIXED_COLUMNS = {"text_source": ("params.eval.text_source", "text"),
                  "window_len": ("params.eval.window_len", "window len"),
                  "n_windows": ("params.eval.n_windows", "windows")}
-EMULATED = {"x86_emulator"}
 
 
 def derived_columns(runs: pd.DataFrame) -> pd.DataFrame:
@@ -103,7 +103,7 @@ def derived_columns(runs: pd.DataFrame) -> pd.DataFrame:
     runs["qdq_arithmetic"] = arithmetic.where(~older, "htp_exact (" + modelled + ")")
     target = column(runs, "tags.target")
     runs["target"] = target.where(target.notna(), "pytorch")
-    _speeds(runs, num)
+    speed_columns(runs, num)
     runs["pte_mb"] = num("metrics.pte_bytes") / 1e6
     # a run's own quantization against FP: its QDQ phase where it has one, else its deployed program
     qdq = num("metrics.ppl_qdq_vs_fp")
@@ -112,31 +112,6 @@ def derived_columns(runs: pd.DataFrame) -> pd.DataFrame:
         runs[f"delta_vs_fp_{bound}"] = num(f"metrics.ppl_qdq_vs_fp_{bound}").where(
             qdq.notna(), num(f"metrics.ppl_deployed_vs_fp_{bound}"))
     return runs
-
-
-SPEEDS = ("ttft_ms", "decode_tok_s", "prefill_tok_s")
-
-
-def _speeds(runs: pd.DataFrame, num) -> None:
-    """The speed columns and where each row's come from: an HTP run's phone estimate for its SoC (qexp/speed) where
-    it logged one, else what the run measured on its target (the CPU for XNNPACK; the x86 emulator for an HTP run
-    from before the estimate, labelled so)."""
-    estimated = num("metrics.decode_tok_s_est").notna()
-    soc = column(runs, "tags.speed_soc").fillna(column(runs, "params.backend.soc")).fillna("?").astype(str)
-    kind = np.where(column(runs, "tags.speed_source").fillna("").astype(str).str.startswith("what-if"), "what-if ",
-                    "estimate ")
-    measured = num("metrics.decode_tok_s").notna() | num("metrics.ttft_ms").notna()
-    emulated = runs["target"].isin(EMULATED)
-    for name in SPEEDS:
-        runs[name] = num(f"metrics.{name}_est").where(estimated, num(f"metrics.{name}"))
-        runs[f"{name}_emulator"] = num(f"metrics.{name}").where(emulated)
-    # estimates of two model versions (or fits to two data files) are not one axis: each row then names its version
-    model = column(runs, "tags.speed_source").fillna("").astype(str).str.replace(r"^(what-if:)?estimate:", "",
-                                                                                 regex=True)
-    if model[estimated].nunique() > 1:
-        soc = soc + " (" + model + ")"
-    runs["speed_source"] = np.where(estimated, kind + soc, np.where(
-        measured, np.where(emulated, "x86_emulator", "measured " + runs["target"].astype(str)), "-"))
 
 
 def resolve_columns(names: Optional[Sequence[str]]) -> Dict[str, tuple[str, str]]:
@@ -284,6 +259,7 @@ def build_report(runs: pd.DataFrame, columns: Optional[Sequence[str]] = None, al
         items = list(chosen.items())
         chosen = dict(items[:at] + [("qdq_arithmetic", EXTRA_COLUMNS["qdq_arithmetic"])] + items[at:])
     data = _data(runs, chosen)
+    chosen = speed_headers(chosen, data)
     table = data[[c for c in data.columns if c in chosen]].rename(columns={k: v[1] for k, v in chosen.items()})
     # intervals ride along for formatted(): {column header: (low, high)}
     table.attrs["ci"] = {chosen[n][1]: (data[f"{n}_ci_low"], data[f"{n}_ci_high"]) for n in chosen
