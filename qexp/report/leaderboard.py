@@ -188,7 +188,8 @@ def from_store(tracking_uri: Optional[str]) -> pd.DataFrame:
     from qexp.report.table import build_report
     from qexp.tracking.naming import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
 
-    mlflow.set_tracking_uri(tracking_uri) if tracking_uri else None
+    if tracking_uri:
+        mlflow.set_tracking_uri(tracking_uri)
     columns = ["params.model.name", "params.quant.name", "tags.weight_grid", "algorithm", "weight_bits_decoder",
                "weight_bits_lm_head", "ppl_fp", "ppl_qdq", "delta_vs_fp", "weights_mb", "ppl_deployed_vs_qdq",
                "decode_tok_s_est", "tags.host", "tags.git_commit"]

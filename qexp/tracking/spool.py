@@ -26,7 +26,8 @@ REPLAYED = ".replayed"
 class Spool:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
-        self._count = sum(1 for _ in open(self.folder / RECORD)) if (self.folder / RECORD).exists() else 0
+        record = self.folder / RECORD
+        self._count = len(record.read_text().splitlines()) if record.exists() else 0
 
     @classmethod
     def create(cls, root: Path, uri: str, run_id: str) -> "Spool":
@@ -98,7 +99,7 @@ def replay(folder: Path, senders: Dict[str, Callable], uri: Optional[str] = None
     client = MlflowClient(target)
     run = client.get_run(header["run_id"])  # the run exists there (it was created before the store went away)
     counts: Dict[str, int] = {}
-    status = None
+    status, spooled_tags = None, set()
     for write in writes:
         op = write.pop("op")
         for key in ("local", "features"):
@@ -107,23 +108,15 @@ def replay(folder: Path, senders: Dict[str, Callable], uri: Optional[str] = None
         senders[op](client, header["run_id"], write)
         counts[op] = counts.get(op, 0) + _items(op, write)
         status = write["status"] if op == "end" else status
+        spooled_tags |= set(write.get("tags", {})) if op == "tags" else set()
     from qexp.tracking.liveness import KILLED_TAG
 
-    if status is not None and KILLED_TAG in run.data.tags and KILLED_TAG not in _spooled_tags(folder):
+    if status is not None and KILLED_TAG in run.data.tags and KILLED_TAG not in spooled_tags:
         # a qexp process on this host found the run RUNNING with its process gone, before this replay, and marked
         # it KILLED (liveness.py): the spool says how it really ended
         client.delete_tag(header["run_id"], KILLED_TAG)
     folder.rename(folder.with_name(folder.name + REPLAYED))
     return Replayed(header["run_id"], redact_text(target), counts, status)
-
-
-def _spooled_tags(folder: Path) -> Dict[str, str]:
-    tags: Dict[str, str] = {}
-    for line in (folder / RECORD).read_text().splitlines():
-        write = json.loads(line) if line.strip() else {}
-        if write.get("op") == "tags":
-            tags.update(write["tags"])
-    return tags
 
 
 def _items(op: str, write: Dict[str, Any]) -> int:

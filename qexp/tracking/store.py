@@ -169,28 +169,19 @@ class Tracker:
     def _check_server(self) -> None:
         import requests
 
-        started = time.monotonic()
-        while True:
-            try:
-                response = requests.get(self.uri.rstrip("/") + "/health", timeout=self.cfg.connect_timeout_s)
-                response.raise_for_status()
-                if time.monotonic() - started > self.cfg.connect_timeout_s:
-                    log.warning("the store at %s answers again after %.0f s", redact_text(self.uri),
-                                time.monotonic() - started)
-                break
-            except Exception as exc:  # noqa: BLE001
-                if self.patient and time.monotonic() - started < self.cfg.outage_s:
-                    if time.monotonic() - started < 2:
-                        log.warning("the store at %s does not answer (%s): this sweep job waits for it up to %.0f s "
-                                    "(tracking.outage_s)", redact_text(self.uri), type(exc).__name__,
-                                    self.cfg.outage_s)
-                    time.sleep(2)
-                    continue
-                raise TrackingError(
-                    f"MLflow tracking server {redact_text(self.uri)} is unreachable ({type(exc).__name__})",
-                    "start it (mlflow server --host 127.0.0.1 --port 5000) or unset tracking.uri / "
-                    "MLFLOW_TRACKING_URI to use the embedded store",
-                ) from exc
+        from qexp.tracking.writer import patiently
+
+        def healthy() -> None:
+            requests.get(self.uri.rstrip("/") + "/health", timeout=self.cfg.connect_timeout_s).raise_for_status()
+
+        try:
+            patiently(self.uri, self.cfg.outage_s if self.patient else 0, healthy, who="this sweep job")
+        except Exception as exc:  # noqa: BLE001
+            raise TrackingError(
+                f"MLflow tracking server {redact_text(self.uri)} is unreachable ({type(exc).__name__})",
+                "start it (mlflow server --host 127.0.0.1 --port 5000) or unset tracking.uri / "
+                "MLFLOW_TRACKING_URI to use the embedded store",
+            ) from exc
         # MLflow's own retries stay short (a wrong address is one line within seconds); a run's writes ride out an
         # outage of tracking.outage_s themselves (writer.py)
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")

@@ -214,7 +214,8 @@ class SweepCallback(Callback):
         parent = info["parent_run_id"]
 
         def send(write, *args):  # the store may be restarting as the sweep ends: wait as its jobs did
-            patiently(info["tracking_uri"], config.tracking.outage_s, lambda: write(parent, *args))
+            patiently(info["tracking_uri"], config.tracking.outage_s, lambda: write(parent, *args),
+                      who="the sweep's summary")
 
         for status, count in counts.items():
             send(client.log_metric, f"jobs_{status}", count)

@@ -18,7 +18,7 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict
 
 from qexp.tracking.redact import redact_text
 
@@ -124,64 +124,56 @@ SENDERS: Dict[str, Callable[[Any, str, Dict[str, Any]], None]] = {
 }
 
 
-def patiently(uri: str, outage_s: float, call: Callable[[], Any], sleep: Callable[[float], None] = time.sleep):
-    """One call to the store, tried again with backoff while the store is away, for up to `outage_s` (a sweep's own
-    bookkeeping, which has no spool: its jobs' runs hold the results); then the last error raises."""
-    started, delay = time.monotonic(), 1.0
+def patiently(uri: str, outage_s: float, call: Callable[[], Any], sleep: Callable[[float], None] = time.sleep,
+              who: str = "the call"):
+    """One call to the store, tried again with backoff while the store is away, for up to `outage_s`; then the last
+    error raises (a run spools, writer.RunWriter; a sweep's summary and a job's first contact have nothing to spool).
+    `who` names what waits, in the two lines the terminal shows."""
+    started, delay, away = time.monotonic(), 1.0, False
     while True:
         try:
-            return call()
+            result = call()
         except Exception as exc:  # noqa: BLE001 - an outage is waited for; anything else raises as it was
             waited = time.monotonic() - started
             if not store_is_away(exc) or waited >= outage_s:
                 raise
-            if delay == 1.0:
-                log.warning("the store at %s does not answer (%s): the sweep's summary waits for it up to %.0f s",
-                            redact_text(uri), _first_line(exc), outage_s)
+            if not away:
+                log.warning("the store at %s does not answer (%s): %s waits for it up to %.0f s (tracking.outage_s)",
+                            redact_text(uri), _first_line(exc), who, outage_s)
+                away = True
             sleep(min(delay, outage_s - waited))
             delay = min(delay * 2, 30.0)
+            continue
+        if away:
+            log.warning("the store at %s answers again after %.0f s: nothing of %s was lost", redact_text(uri),
+                        time.monotonic() - started, who)
+        return result
 
 
 class RunWriter:
     """The writes of one run: sent to the store, tried again while it is away, spooled past `outage_s`."""
 
     def __init__(self, uri: str, run_id: str, outage_s: float, spool_root: Path,
-                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic):
+                 sleep: Callable[[float], None] = time.sleep):
         from mlflow.tracking import MlflowClient
 
         self.uri, self.run_id, self.outage_s, self.spool_root = uri, run_id, outage_s, Path(spool_root)
         self.client = MlflowClient(uri)
         self.spool = None
-        self._sleep, self._clock = sleep, clock
+        self._sleep = sleep
 
     def write(self, op: str, payload: Dict[str, Any]) -> None:
         if self.spool is not None:
             self.spool.add(op, payload)
             return
-        away_since: Optional[float] = None
-        delay = 1.0
-        while True:
-            try:
-                SENDERS[op](self.client, self.run_id, payload)
-            except Exception as exc:  # noqa: BLE001 - an outage is waited for; anything else raises as it was
-                if not store_is_away(exc):
-                    raise
-                now = self._clock()
-                if away_since is None:
-                    away_since = now
-                    log.warning("the store at %s does not answer (%s): run %s tries again for up to %.0f s "
-                                "(tracking.outage_s)", redact_text(self.uri), _first_line(exc), self.run_id,
-                                self.outage_s)
-                if now - away_since >= self.outage_s:
-                    self._start_spool(op, payload, now - away_since)
-                    return
-                self._sleep(min(delay, self.outage_s - (now - away_since)))
-                delay = min(delay * 2, 30.0)
-                continue
-            if away_since is not None:
-                log.warning("the store at %s answers again after %.0f s: nothing of run %s was lost",
-                            redact_text(self.uri), self._clock() - away_since, self.run_id)
-            return
+        started = time.monotonic()
+        try:
+            patiently(self.uri, self.outage_s, lambda: SENDERS[op](self.client, self.run_id, payload),
+                      sleep=self._sleep, who=f"run {self.run_id}")
+        except Exception as exc:  # noqa: BLE001 - past the limit the record goes to the spool; anything else raises
+            if not store_is_away(exc):
+                raise
+            self._start_spool(op, payload, time.monotonic() - started)
 
     def _start_spool(self, op: str, payload: Dict[str, Any], waited: float) -> None:
         from qexp.tracking.spool import Spool
@@ -189,8 +181,8 @@ class RunWriter:
         self.spool = Spool.create(self.spool_root, self.uri, self.run_id)
         self.spool.add(op, payload)
         log.warning("the store at %s has not answered for %.0f s: run %s goes on, and keeps its record in %s "
-                  "(python -m qexp.store replay uploads it once the store is back)", redact_text(self.uri),
-                  waited, self.run_id, self.spool.folder)
+                    "(python -m qexp.store replay uploads it once the store is back)", redact_text(self.uri),
+                    waited, self.run_id, self.spool.folder)
 
 
 def _first_line(exc: BaseException) -> str:
