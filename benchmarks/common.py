@@ -107,14 +107,15 @@ def quantized_linears(overrides: list, layers: str, held_out_windows: int):
     from hydra import compose, initialize_config_dir
 
     from qexp.pipeline import prepare
-    from qexp.transforms.capture import LayerByLayer, input_of, private_static
+    from qexp.transforms.capture import LayerByLayer, input_of
+    from qexp.models.static_llama import StaticLlama
     from qexp.quant.grid import grid_for, layer_linears
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[*overrides, "backend=none"])
     state = prepare(cfg, "calibration")
     model, wanted = state.model, sorted(int(i) for i in layers.split(","))
-    static = private_static(model, cfg.export.max_context_len, cfg.model)
+    static = StaticLlama.private_copy(model, cfg.export.max_context_len, cfg.model)
     calibration = LayerByLayer(static, state.calibration.samples)
     held_out = LayerByLayer(static, [[int(t) for t in w] for w in state.windows.ids[:held_out_windows]])
 

@@ -31,7 +31,7 @@ def main() -> None:
     from qexp.sensitivity.groups import grids_for, model_groups
     from qexp.sensitivity.measure import GroupWeights
     from qexp.sensitivity.replay import LayerReplay
-    from qexp.transforms.capture import private_static
+    from qexp.models.static_llama import StaticLlama
 
     args = sys.argv[1:]
     recipes, overrides = (args[: args.index("--")], args[args.index("--") + 1 :]) if "--" in args else (args, [])
@@ -49,7 +49,7 @@ def main() -> None:
             "calibration half, 8 x 256": make_windows(tail, tokenizer, 256, 8, bos),
             f"test, {state.windows.n_windows} x {state.windows.seq_len}": state.windows}
     for label, windows in sets.items():
-        static = private_static(state.model, windows.seq_len, cfg.model)
+        static = StaticLlama.private_copy(state.model, windows.seq_len, cfg.model)
         replay, weights = LayerReplay(static, windows), GroupWeights(static.module, groups)
         fp = math.exp(-replay.loglik(0).mean())
         chosen = {"all low": lambda g: False, "all high": lambda g: True}

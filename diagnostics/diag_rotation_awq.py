@@ -220,14 +220,15 @@ def first_token_of_stack(cfg, state, stack) -> None:
 
 def layer_errors(cfg, state, windows: int) -> None:
     from qexp.transforms import TransformContext, apply_transforms, build_transforms
-    from qexp.transforms.capture import LayerByLayer, input_of, private_static
+    from qexp.transforms.capture import LayerByLayer, input_of
+    from qexp.models.static_llama import StaticLlama
     from qexp.quant.grid import grid_for
 
     rotation = build_transforms({"rotation": cfg.algorithm.get("rotation") or {}})
     rotated = apply_transforms(state.model, rotation, TransformContext(cfg, None, state.cache, state.timer))
     ids = [[int(t) for t in w] for w in state.windows.ids[:windows]]
     models = {"float": state.model, "rotated": rotated}
-    runners = {name: LayerByLayer(private_static(m, cfg.export.max_context_len, cfg.model), ids)
+    runners = {name: LayerByLayer(StaticLlama.private_copy(m, cfg.export.max_context_len, cfg.model), ids)
                for name, m in models.items()}
     print(f"{windows} windows; float | rotated: weight rel. error, block crest factor, output rel. error")
     for i in range(state.model.params["n_layers"]):

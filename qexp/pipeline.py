@@ -53,11 +53,20 @@ class ExperimentResult:
 
 
 @dataclass
+class RunPlan:
+    """What checking a config builds and the run then uses: its backend and its algorithms (each built once)."""
+
+    backend: Backend
+    transforms: List[Any] = field(default_factory=list)  # ModelTransforms in config order (qexp/transforms)
+
+
+@dataclass
 class RunState:
     """Everything the stages of one run produce, in order. Attributes stay None until their stage ran."""
 
     cfg: DictConfig
     backend: Backend
+    transforms: List[Any] = field(default_factory=list)  # the run's algorithms, built once by validate()
     tracked: bool = False  # log params and artifacts to the active MLflow run as they appear
     cache: Cache = None
     timer: StageTimer = field(default_factory=StageTimer)
@@ -108,8 +117,9 @@ class RunState:
 
 
 # ---------------------------------------------------------------- checks before a run starts
-def validate(cfg: DictConfig) -> Backend:
-    """Reject a bad config before any model is loaded; returns the run's backend."""
+def validate(cfg: DictConfig, transforms: Optional[List[Any]] = None) -> RunPlan:
+    """Reject a bad config before any model is loaded; returns the run's backend and algorithms (`transforms`: those
+    already built from cfg.algorithm, checked here rather than built again)."""
     from qexp.data.text import check_texts
     from qexp.device import check_device, check_gpu_memory
     from qexp.models.static_llama import arch_flags
@@ -137,7 +147,7 @@ def validate(cfg: DictConfig) -> Backend:
         if cfg.algorithm:
             raise ConfigError("quant.weight_range=full with an algorithm: the algorithms search the [-7, 7] grid",
                               "use algorithm=[] (round to nearest), or weight_range=narrow")
-    transforms = validate_transforms(cfg)
+    transforms = validate_transforms(cfg, transforms)
     needs_calibration = cfg.quant.scheme != NO_QUANT or any(t.needs_calibration for t in transforms)
     if needs_calibration and cfg.calibration.limit < 1:
         raise ConfigError(f"calibration.limit={cfg.calibration.limit}: calibration data is empty",
@@ -161,7 +171,19 @@ def validate(cfg: DictConfig) -> Backend:
                           "use a positive number of seconds, or null to wait as long as the building job lives")
     check_cache_dir(cfg.cache_dir)
     backend.validate(cfg)
-    return backend
+    return RunPlan(backend, transforms)
+
+
+def _built_transforms(cfg: DictConfig) -> Optional[List[Any]]:
+    """cfg.algorithm's transforms for the run's name and its checks; None when they cannot be built (the check
+    inside the run then fails it with the reason)."""
+    from qexp.errors import ConfigError
+    from qexp.transforms import build_transforms
+
+    try:
+        return build_transforms(cfg.algorithm)
+    except ConfigError:
+        return None
 
 
 # ---------------------------------------------------------------- the run
@@ -221,16 +243,17 @@ def _still_valid(cfg: DictConfig) -> bool:
 def _tracked_run(cfg: DictConfig, tracker: Tracker, chash: str, job: Optional["SweepJob"]) -> ExperimentResult:
     with captured_log(verbose=bool(cfg.verbose)) as run_log:
         tags = {"config_hash": chash, **environment_tags(), **(job.tags() if job else _named_sweep_tags(cfg))}
-        name = cfg.tracking.run_name or _default_run_name(cfg, job)
+        transforms = _built_transforms(cfg)
+        name = cfg.tracking.run_name or _default_run_name(cfg, job, transforms)
         run_id = tracker.start(name, tags)
         try:
             # "algorithm" as one param too (the config logs each algorithm's settings), for the UI's compare charts
             Tracker.params({**flatten(cfg), "algorithm": ",".join(cfg.algorithm.keys()) or "RTN"})
             Tracker.text(config_yaml(cfg), "config.yaml")
-            backend = validate(cfg)  # inside the run: a bad config leaves a FAILED run that says why
-            state = RunState(cfg, backend, tracked=True)
+            plan = validate(cfg, transforms)  # inside the run: a bad config leaves a FAILED run that says why
+            state = RunState(cfg, plan.backend, plan.transforms, tracked=True)
             state.cache.run_id = run_id  # each cache entry records the runs that used it
-            Tracker.tags({"phases": _phases(state), "scheme": backend.scheme(cfg)})
+            Tracker.tags({"phases": _phases(state), "scheme": plan.backend.scheme(cfg)})
             result = execute(state)
             Tracker.tags(result.tags)
             Tracker.metrics(result.metrics)
@@ -267,12 +290,14 @@ def _named_sweep_tags(cfg: DictConfig) -> Dict[str, str]:
     return {SWEEP_TAG: str(cfg.tracking.sweep)} if cfg.tracking.sweep else {}
 
 
-def _default_run_name(cfg: DictConfig, job: Optional["SweepJob"]) -> str:
+def _default_run_name(cfg: DictConfig, job: Optional["SweepJob"], transforms: Optional[List[Any]]) -> str:
     try:
         scheme = get_backend(cfg.backend.name).scheme(cfg)
     except Exception:  # noqa: BLE001 - an unknown backend fails validation inside the run, which needs a name first
         scheme = str(cfg.quant.name)
-    return run_name(cfg, scheme, job.overrides, job.varied) if job else run_name(cfg, scheme)
+    if job:
+        return run_name(cfg, scheme, job.overrides, job.varied, transforms=transforms)
+    return run_name(cfg, scheme, transforms=transforms)
 
 
 def execute(state: RunState) -> ExperimentResult:
@@ -296,7 +321,8 @@ def prepare(cfg: DictConfig, through: str = "qdq") -> RunState:
 
     if through not in STAGES:
         raise ValueError(f"unknown stage {through!r}; stages: {', '.join(STAGES)}")
-    state = RunState(cfg, validate(cfg))
+    plan = validate(cfg)
+    state = RunState(cfg, plan.backend, plan.transforms)
     state.tags.update({**pin_cpu_numerics(), **device_tags(state.device)})
     for name in STAGES[: STAGES.index(through) + 1]:
         STAGE_FUNCTIONS[name](state)

@@ -116,9 +116,9 @@ def fp(state) -> None:
 def calibration(state) -> None:
     from qexp.data.calibration import build_calibration, check_disjoint
     from qexp.data.text import calibration_corpus
-    from qexp.transforms import build_transforms, check_fitted_disjoint
+    from qexp.transforms import check_fitted_disjoint
 
-    transforms = build_transforms(state.cfg.algorithm)
+    transforms = state.transforms
     if not (state.quantized or any(t.needs_calibration for t in transforms)):
         return
     cfg, model = state.cfg, state.model
@@ -161,9 +161,9 @@ def transform(state) -> None:
     from qexp.eval.perplexity import cached_evaluation
     from qexp.models.static_llama import StaticLlama
     from qexp.tracking.store import CurveLog
-    from qexp.transforms import TransformContext, algorithm_label, apply_transforms, build_transforms, model_transforms
+    from qexp.transforms import TransformContext, algorithm_label, apply_transforms, model_transforms
 
-    transforms = model_transforms(build_transforms(state.cfg.algorithm))
+    transforms = model_transforms(state.transforms)
     if not transforms:
         state.deploy_model, state.static = state.model, state.fp_static
         return
@@ -209,13 +209,13 @@ def qdq(state) -> None:
     from qexp.quant.fold import with_weights_dequantized
     from qexp.quant.htp_arithmetic_pass import MODELLED_OPS
     from qexp.quant.w4_lowering import htp_exact_lowering
-    from qexp.transforms import algorithm_label, build_transforms, calibration_algorithms
+    from qexp.transforms import algorithm_label, calibration_algorithms
     from qexp.speed import weight_size_metrics
 
     if not state.quantized:
         return
     cfg, static, soc = state.cfg, state.static, state.backend.quantizer_soc(state.cfg)
-    algorithms = calibration_algorithms(build_transforms(cfg.algorithm))
+    algorithms = calibration_algorithms(state.transforms)
     key = qdq_cache_key(cfg, state.deploy_model, static, state.calibration, soc,
                         [a.fingerprint() for a in algorithms], state.device)
     with state.timer.stage("quantize"):
@@ -224,7 +224,7 @@ def qdq(state) -> None:
                            algorithms=algorithms, device=state.device)
     state.tags.update({"qdq_cache_key": key, "qdq_cache_hit": str(program.cache_hit).lower(), **grid_tags(cfg)})
     if cfg.algorithm:  # every algorithm of the run in config order (the transform stage tags only model transforms)
-        state.tags["algorithm"] = algorithm_label(build_transforms(cfg.algorithm))
+        state.tags["algorithm"] = algorithm_label(state.transforms)
     lowering = htp_exact_lowering(cfg)
     state.tags["qdq_arithmetic"] = "fake_quant" if lowering is None else "htp_exact"
     # the float model waits on disk meanwhile (it is not read): a 1B model's 6 GB not held twice (qexp/offload.py)

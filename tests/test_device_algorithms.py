@@ -27,13 +27,14 @@ def test_layer_by_layer_capture_and_the_weight_searches_run_on_another_device(ti
     """GPTQ's Hessians and rounding, the output-judged clip search and AWQ's clip on what LayerByLayer captures on
     the meta device; the loaded model's CPU tensors stay where they were."""
     from qexp.transforms.awq import search_clip
-    from qexp.transforms.capture import LayerByLayer, input_of, private_static
+    from qexp.transforms.capture import LayerByLayer, input_of
+    from qexp.models.static_llama import StaticLlama
     from qexp.transforms.gptq import gptq_quantize, hessian
     from qexp.quant.grid import grid_for, layer_linears
     from qexp.transforms.weight_clip import block_gram, output_mse_scales
 
     state, cfg = tiny_state, tiny_state.cfg
-    static = private_static(state.model, cfg.export.max_context_len, cfg.model)
+    static = StaticLlama.private_copy(state.model, cfg.export.max_context_len, cfg.model)
     runner = LayerByLayer(static, state.calibration.samples, META)
     x = runner.run(0, advance=False)
     assert {v.device for v in x.values()} == {META}
@@ -90,11 +91,11 @@ def test_the_sensitivity_replay_runs_on_another_device(tiny_state):
     """The analysis' replay (and the recipes' measure, which uses it) on the meta device, on the run's windows."""
     from qexp.device import move
     from qexp.sensitivity.replay import LayerReplay
-    from qexp.transforms.capture import private_static
+    from qexp.models.static_llama import StaticLlama
 
     state, cfg = tiny_state, tiny_state.cfg
     selection = state.windows
-    static = private_static(state.model, selection.seq_len, cfg.model)
+    static = StaticLlama.private_copy(state.model, selection.seq_len, cfg.model)
     move(static.module, META)
     replay = LayerReplay(static, selection)
     logits = replay.logits(selection.ids[:2])

@@ -35,3 +35,21 @@ def test_calibration_is_annotated_for_the_backends_soc(compose):
     keys = {soc: qdq_cache_key(state.cfg, state.model, state.static, state.calibration, soc)
             for soc in ("SM8650", "SM8750")}
     assert keys["SM8650"] != keys["SM8750"]
+
+
+def test_a_run_builds_its_algorithms_once(compose, monkeypatch):
+    """The run's name, its checks, the calibration, transform and QDQ stages all use the transforms validate() built:
+    each algorithm's object is constructed once per run."""
+    from qexp.pipeline import run_experiment
+    from qexp.transforms.base import TRANSFORMS
+
+    built = []
+    for name in ("rotation", "seq_mse"):
+        cls = TRANSFORMS[name]
+        counted = type(cls.__name__, (cls,), {"__init__": lambda self, config, _cls=cls: (
+            built.append(_cls.name), _cls.__init__(self, config))[-1]})
+        monkeypatch.setitem(TRANSFORMS, name, counted)
+    cfg = compose(TINY + ["quant=16a4w", "algorithm=[rotation]", "+algorithm.seq_mse={candidates: 5}"])
+    result = run_experiment(cfg)
+    assert result.tags["algorithm"].startswith("rotation") and "seq_mse" in result.tags["algorithm"]
+    assert sorted(built) == ["rotation", "seq_mse"]

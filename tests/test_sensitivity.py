@@ -60,7 +60,7 @@ def test_the_analysis_config_is_the_run_config_plus_its_section(compose_sensitiv
 
 
 def test_replay_from_any_layer_equals_the_whole_forward(compose_sensitivity):
-    from qexp.transforms.capture import private_static
+    from qexp.models.static_llama import StaticLlama
     from qexp.pipeline import prepare
     from qexp.sensitivity.analysis import selection_windows
     from qexp.sensitivity.groups import model_groups
@@ -71,7 +71,7 @@ def test_replay_from_any_layer_equals_the_whole_forward(compose_sensitivity):
     cfg = compose_sensitivity(SENS)
     state = prepare(cfg, through="transform")
     windows = selection_windows(state, cfg)
-    static = private_static(state.model, windows.seq_len, cfg.model)
+    static = StaticLlama.private_copy(state.model, windows.seq_len, cfg.model)
     groups = model_groups({k: tuple(v.shape) for k, v in state.model.state_dict.items()})
     replay, weights = LayerReplay(static, windows), GroupWeights(static.module, groups)
     base = replay.record()
@@ -94,11 +94,11 @@ def test_a_tied_lm_head_and_embedding_are_quantized_apart(compose_sensitivity):
     from qexp.pipeline import prepare
     from qexp.sensitivity.groups import model_groups
     from qexp.sensitivity.measure import GroupWeights
-    from qexp.transforms.capture import private_static
+    from qexp.models.static_llama import StaticLlama
     from qexp.quant.grid import WeightGrid
 
     state = prepare(compose_sensitivity(SENS), through="load")
-    module = private_static(state.model, 32, state.cfg.model).module
+    module = StaticLlama.private_copy(state.model, 32, state.cfg.model).module
     table = module.tok_embeddings.weight
     module.output.conv.weight.data = table.data[:, :, None, None]  # tied, as a converted HF checkpoint can be
     assert module.output.conv.weight.data_ptr() == table.data_ptr()
@@ -167,7 +167,7 @@ def test_low_weights_algorithms_measures_the_program_the_rounding_algorithms_dep
     from qexp.sensitivity.groups import TensorGrid
     from qexp.sensitivity.measure import GroupWeights
     from qexp.sensitivity.replay import LayerReplay, perplexity
-    from qexp.transforms.capture import private_static
+    from qexp.models.static_llama import StaticLlama
 
     stack = SENS + ["algorithm=[rotation,weight_clip,gptq]", "sensitivity.views=[gain]"]
     from qexp.sensitivity.program import recipe_tag
@@ -179,7 +179,7 @@ def test_low_weights_algorithms_measures_the_program_the_rounding_algorithms_dep
     assert program.model.transforms == ("rotation",) and rtn.model.transforms == ("rotation", "weight_clip", "gptq")
     assert program.tags["sensitivity_low_weights"] == "algorithms" and program.program is not None
     deployed = rtn.state.deploy_model
-    static = private_static(deployed, program.selection.seq_len, rtn.state.cfg.model)
+    static = StaticLlama.private_copy(deployed, program.selection.seq_len, rtn.state.cfg.model)
     params = dict(static.module.named_parameters())
     recipe_groups = [g for g in program.groups if g.in_recipes]
     assert sorted(program.program.weights) == sorted(g.name for g in recipe_groups)

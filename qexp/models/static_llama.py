@@ -72,7 +72,7 @@ def _to_rope_layout(state_dict: dict, n_layers: int, n_heads: int, n_kv_heads: i
 def _share_conv_weights(owner: torch.nn.Module, linears: dict) -> None:
     """Upstream's conv preparation copies each linear's weight into a new 1x1 conv; point the conv at the linear's
     tensor instead (a [out, in, 1, 1] view of it), so the static llama shares its weights with the LoadedModel it was
-    built from, as the code around it assumes (qexp/transforms/capture.py: private_static copies before updating in
+    built from, as the code around it assumes (StaticLlama.private_copy copies before updating in
     place), and a 1B model's decoder is held once, not twice (3.9 GB of Llama-3.2-1B's shape)."""
     for name, linear in linears.items():
         conv = getattr(owner, f"{name}_conv", None)
@@ -148,6 +148,15 @@ class StaticLlama:
         """The static llama with the run's architecture switches (model.r3, model.masked_softmax): the graph every
         CPU phase and algorithm of a run uses."""
         return cls(model, max_context_len, r3=model_cfg.r3, masked_softmax=uses_masked_softmax(model_cfg))
+
+    @classmethod
+    def private_copy(cls, model: LoadedModel, max_context_len: int, model_cfg) -> "StaticLlama":
+        """for_model_config on a private copy of the weights: the StaticLlama shares its tensors with the LoadedModel
+        it is built from, and layer-by-layer algorithms update the module in place."""
+        import dataclasses
+
+        state = {k: v.detach().clone() for k, v in model.state_dict.items()}
+        return cls.for_model_config(dataclasses.replace(model, state_dict=state), max_context_len, model_cfg)
 
     def static_layout(self, key: str, value: torch.Tensor) -> Tuple[str, torch.Tensor]:
         """A Meta-layout per-row tensor (a linear's weight, or its per-row ranges) -> (this module's parameter name,

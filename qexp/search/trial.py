@@ -73,11 +73,11 @@ class Evaluator:
         from qexp.sensitivity.measure import GroupWeights
         from qexp.sensitivity.replay import LayerReplay
         from qexp.speed import model_shapes
-        from qexp.transforms.capture import private_static
+        from qexp.models.static_llama import StaticLlama
 
         self.analysis = a = analyse(cfg)
         self.windows = selection_windows(a.state, cfg, cfg.search.selection, "search.selection")
-        static = private_static(a.model, self.windows.seq_len, cfg.model)  # weights edited in place
+        static = StaticLlama.private_copy(a.model, self.windows.seq_len, cfg.model)  # weights edited in place
         self.replay = LayerReplay(static, self.windows)
         self.weights = GroupWeights(static.module, a.groups, a.program)
         self.fp_ll = self.replay.loglik(0)

@@ -111,7 +111,7 @@ def selection_windows(state, cfg, selection=None, key: str = "sensitivity.select
 def analyse(cfg, progress=log.info) -> Analysis:
     """The whole analysis of `cfg` (validated): the run's stages up to its transforms, then the measurements."""
     from qexp.device import device_key, move
-    from qexp.transforms.capture import private_static
+    from qexp.models.static_llama import StaticLlama
     from qexp.pipeline import prepare
     from qexp.provenance import library_versions
 
@@ -136,7 +136,7 @@ def analyse(cfg, progress=log.info) -> Analysis:
     key = stable_hash({"analysis": key, **device_key(state.device)}) if state.device.type != "cpu" else key
 
     def build(tmp):
-        static = private_static(model, selection.seq_len, cfg.model)  # weights are edited in place
+        static = StaticLlama.private_copy(model, selection.seq_len, cfg.model)  # weights are edited in place
         move(static.module, state.device)  # measured on the run's device (the static llama is the analysis' own)
         table, summary = measure_table(static, selection, groups, low, high, list(s.views), progress, program)
         table.to_csv(tmp / "sensitivity.csv", index=False)

@@ -78,9 +78,9 @@ def recipe_tag(cfg) -> str:
 
 def start_model(state):
     """The run's model through the algorithms before the rounding tail (cached where they are)."""
-    from qexp.transforms import TransformContext, apply_transforms, build_transforms
+    from qexp.transforms import TransformContext, apply_transforms
 
-    start, _ = split_algorithms(build_transforms(state.cfg.algorithm))
+    start, _ = split_algorithms(state.transforms)
     context = TransformContext(state.cfg, state.calibration, state.cache, state.timer, reference=state.model,
                                reference_static=state.fp_static, device=state.device)
     return apply_transforms(state.model, start, context)

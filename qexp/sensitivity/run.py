@@ -49,12 +49,12 @@ def run_analysis(cfg) -> tuple[str, Analysis, List[Recipe]]:
 def recipe_measure(cfg, analysis: Analysis):
     """promoted group names -> ppl / ppl_fp - 1 on the selection windows (weights fake-quantized, one forward)."""
     from qexp.device import move
-    from qexp.transforms.capture import private_static
+    from qexp.models.static_llama import StaticLlama
     from qexp.sensitivity.groups import grids_for
     from qexp.sensitivity.measure import GroupWeights
     from qexp.sensitivity.replay import LayerReplay, perplexity
 
-    static = private_static(analysis.model, analysis.selection.seq_len, cfg.model)  # weights edited in place
+    static = StaticLlama.private_copy(analysis.model, analysis.selection.seq_len, cfg.model)  # weights edited in place
     move(static.module, analysis.state.device)  # on the run's device, as the analysis measured
     replay = LayerReplay(static, analysis.selection)
     weights = GroupWeights(static.module, analysis.groups, analysis.program)

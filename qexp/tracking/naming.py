@@ -44,11 +44,12 @@ shell `python -m qexp.report --compare RUN_A RUN_B`; tables and plots: `python -
 """
 
 
-def run_name(cfg: DictConfig, scheme: str, overrides: Sequence[str] = (), varied: Sequence[str] = ()) -> str:
+def run_name(cfg: DictConfig, scheme: str, overrides: Sequence[str] = (), varied: Sequence[str] = (),
+             transforms: Optional[list] = None) -> str:
     """`smollm2_135m · 16a4w · RTN · htp`, plus the values a sweep job varies beyond those (e.g.
     `observer=moving_average`), so that the runs of one sweep have distinct names; overrides every job of the sweep
-    shares are left to the params."""
-    algorithm = _algorithm_name(cfg.algorithm)
+    shares are left to the params. `transforms`: cfg.algorithm's, when the caller built them already."""
+    algorithm = _algorithm_name(cfg.algorithm, transforms)
     granularity = cfg.quant.weight_granularity
     if getattr(granularity, "name", granularity) == "per_block":  # the block size is what block sweeps vary
         scheme = f"{scheme}/b{cfg.quant.block_size}"
@@ -60,7 +61,7 @@ def run_name(cfg: DictConfig, scheme: str, overrides: Sequence[str] = (), varied
     return " · ".join(parts + ([" ".join(extras)] if extras else []))
 
 
-def _algorithm_name(algorithm_cfg) -> str:
+def _algorithm_name(algorithm_cfg, transforms: Optional[list] = None) -> str:
     """`rotation+gptq`, each algorithm with its non-default settings (`weight_clip(objective=outputs)`), as the
     `algorithm` tag; RTN without any. A config that names an unknown algorithm keeps the bare names (validation then
     fails the run with the reason)."""
@@ -69,6 +70,8 @@ def _algorithm_name(algorithm_cfg) -> str:
     from qexp.errors import ConfigError
     from qexp.transforms import algorithm_label, build_transforms
 
+    if transforms is not None:
+        return algorithm_label(transforms).replace(",", "+")
     try:
         return algorithm_label(build_transforms(algorithm_cfg)).replace(",", "+")  # labels hold no commas
     except ConfigError:

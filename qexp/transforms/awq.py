@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from qexp.errors import ConfigError
 from qexp.transforms.base import GridSearchTransform, TransformConfig, register_transform
-from qexp.transforms.capture import LayerByLayer, private_static
+from qexp.transforms.capture import LayerByLayer
 from qexp.quant.grid import WeightGrid, grid_for
 from qexp.transforms.weight_clip import clip_candidates
 
@@ -141,7 +141,9 @@ class Awq(GridSearchTransform):
         state = dict(model.state_dict)
         # Every layer's inputs come from the float model, as in llm-awq (scaling keeps the function; clipping is
         # applied to the weights afterwards and not propagated), so one layer-by-layer pass serves all layers.
-        static = private_static(model, cfg.export.max_context_len, cfg.model)
+        from qexp.models.static_llama import StaticLlama
+
+        static = StaticLlama.private_copy(model, cfg.export.max_context_len, cfg.model)
         runner = LayerByLayer(static, context.calibration.samples, context.device)
         group_o = params["n_heads"] == params.get("n_kv_heads", params["n_heads"])
         for i in tqdm(range(params["n_layers"]), desc="awq", unit="layer", leave=False):

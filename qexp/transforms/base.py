@@ -207,8 +207,10 @@ def check_fitted_disjoint(transforms: List[ModelTransform], cfg, model: "LoadedM
                                 "text's calibration half (calibration.text)")
 
 
-def validate_transforms(cfg) -> List[ModelTransform]:
-    transforms = build_transforms(cfg.algorithm)
+def validate_transforms(cfg, transforms: Optional[List[ModelTransform]] = None) -> List[ModelTransform]:
+    """cfg.algorithm's transforms (`transforms` when already built from it), each checked against the whole config,
+    and their order and combination."""
+    transforms = build_transforms(cfg.algorithm) if transforms is None else transforms
     for transform in transforms:
         transform.validate(cfg)
     ranges_from = None

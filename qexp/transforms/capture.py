@@ -14,13 +14,11 @@ computes on what `run` returns and brings its results back to the CPU.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional
 
 import torch
 
 if TYPE_CHECKING:  # the static llama imports ExecuTorch: not needed to validate a config
-    from qexp.models.loaded import LoadedModel
     from qexp.models.static_llama import StaticLlama
 
 # The conv whose input is each shared input: q/k/v read the attention norm's output (captured at wq), o reads the
@@ -41,16 +39,6 @@ def input_of(meta_key: str) -> str:
 
 class _StopForward(Exception):
     pass
-
-
-def private_static(model: "LoadedModel", max_context_len: int, model_cfg) -> "StaticLlama":
-    """A static llama on a private copy of the weights, with the run's architecture switches (`model_cfg`): the
-    StaticLlama shares its tensors with the LoadedModel it is built from, and layer-by-layer algorithms update the
-    module in place."""
-    from qexp.models.static_llama import StaticLlama
-
-    state = {k: v.detach().clone() for k, v in model.state_dict.items()}
-    return StaticLlama.for_model_config(dataclasses.replace(model, state_dict=state), max_context_len, model_cfg)
 
 
 class LayerByLayer:

@@ -42,7 +42,7 @@ from qexp.config import BlockScaleRounding
 from qexp.errors import ConfigError
 from qexp.quant.lpbq import SCALE_STEPS, scale_steps
 from qexp.transforms.base import GridSearchTransform, TransformConfig, register_transform
-from qexp.transforms.capture import LayerByLayer, input_of, private_static
+from qexp.transforms.capture import LayerByLayer, input_of
 from qexp.quant.grid import SCALE_EPS, WeightGrid, grid_for, layer_linears
 
 
@@ -139,7 +139,9 @@ class Gptq(GridSearchTransform):
         cfg, config = context.cfg, self.config
         state = dict(model.state_dict)
         ranges = dict(model.weight_ranges)
-        static = private_static(model, cfg.export.max_context_len, cfg.model)
+        from qexp.models.static_llama import StaticLlama
+
+        static = StaticLlama.private_copy(model, cfg.export.max_context_len, cfg.model)
         runner = LayerByLayer(static, context.calibration.samples, context.device)
         for i in tqdm(range(model.params["n_layers"]), desc="gptq", unit="layer", leave=False):
             x = runner.run(i, advance=False)

@@ -150,12 +150,11 @@ class Qat(GridSearchTransform):
         from qexp.models.static_llama import StaticLlama
         from qexp.qat.fake_quant import attach, detach, quantized_once
         from qexp.qat.loop import LoopSettings, train
-        from qexp.transforms.capture import private_static
 
         cfg, c = context.cfg, self.config
         seq_len = self.seq_len(cfg)
         text = self.training_text(cfg, model, context.cache)
-        student = private_static(model, seq_len, cfg.model)
+        student = StaticLlama.private_copy(model, seq_len, cfg.model)
         teacher = context.reference_static  # the FP phase's static llama: one float copy less in memory
         if teacher is None or teacher.ar_len != seq_len or context.reference is None:
             teacher = StaticLlama.for_model_config(context.reference or model, seq_len, cfg.model)

@@ -39,7 +39,7 @@ from qexp.config import BlockScaleRounding
 from qexp.errors import ConfigError
 from qexp.quant.lpbq import SCALE_STEPS
 from qexp.transforms.base import GridSearchTransform, TransformConfig, register_transform
-from qexp.transforms.capture import LayerByLayer, input_of, private_static
+from qexp.transforms.capture import LayerByLayer, input_of
 from qexp.quant.grid import SCALE_EPS, WeightGrid, grid_for, layer_linears
 
 # the GPTQ reference's Quantizer.configure defaults
@@ -164,8 +164,10 @@ class WeightClip(GridSearchTransform):
         ranges = dict(model.weight_ranges)
         runner, device = None, context.device or torch.device("cpu")
         if c.objective == "outputs":  # the float model's inputs, layer by layer
-            runner = LayerByLayer(private_static(model, context.cfg.export.max_context_len, context.cfg.model),
-                                  context.calibration.samples, device)
+            from qexp.models.static_llama import StaticLlama
+
+            static = StaticLlama.private_copy(model, context.cfg.export.max_context_len, context.cfg.model)
+            runner = LayerByLayer(static, context.calibration.samples, device)
         for i in tqdm(range(model.params["n_layers"]), desc="weight_clip", unit="layer", leave=False):
             inputs = runner.run(i) if runner is not None else None
             grams = {}  # (input, block size) -> H blocks: q/k/v and gate/up read the same input
