@@ -36,6 +36,29 @@ def test_leave_one_out_error_as_documented():
     assert fit.error("decode") <= 0.25 and fit.error("ttft") <= 0.25
     held_out = next(p for p in fit.decode if p.point.source == "et_pr20587" and p.point.model == "smollm2_135m")
     assert abs(held_out.error) <= 0.25  # SmolLM2 16a8w on SM8750, 254 tok/s, predicted without it
+    # a model nobody has timed: each model's figures predicted by a fit without any of them
+    assert fit.error("decode", "median", "model") <= 0.15 and fit.error("decode", "worst", "model") <= 0.35
+    assert fit.error("decode", "worst", "point") <= 0.30
+    # a floor is a bound: no held-out fit predicts one more than 15% below it
+    assert all(p.below_floor("model") >= -0.15 for p in fit.decode)
+    low, high = fit.band("decode")
+    assert 0.7 < low < 1 < high < 1.3
+
+
+def test_floors_bound_the_fit_from_below_only(tmp_path):
+    """A floor far under the model's prediction leaves the fit as it is; the same figure as a measurement moves it."""
+    import yaml
+
+    data = yaml.safe_load(published().path.read_text())
+    extra = {"model": "smollm2_135m", "quant": "16a8w", "context": 1024, "soc": "SM8750", "tok_s": 50,
+             "source": "et_ci"}
+    fits = {}
+    for kind in ("floor", "measured"):
+        path = tmp_path / f"{kind}.yaml"
+        path.write_text(yaml.safe_dump({**data, "decode": data["decode"] + [{**extra, "kind": kind}]}))
+        fits[kind] = fitted(str(path)).model
+    assert fits["floor"].bandwidth_efficiency == pytest.approx(fitted().model.bandwidth_efficiency, rel=1e-6)
+    assert fits["measured"].bandwidth_efficiency != pytest.approx(fitted().model.bandwidth_efficiency, rel=1e-3)
 
 
 def test_weight_bytes_as_htp_stores_them():

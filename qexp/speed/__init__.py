@@ -37,10 +37,15 @@ def _estimate(shapes: Shapes, decode: StreamBytes, prefill: Optional[StreamBytes
         ttft = model.ttft_seconds(shapes, prefill, soc, prefill_ar_len, context, prompt_len)
     else:  # kv mode: the prompt token by token through the decode graph
         ttft = prompt_len * step
+    (d_low, d_high), (t_low, t_high) = fit.band("decode"), fit.band("ttft")
+    fitted_sizes = [p.point.shapes.linear_params() for p in fit.measured("ttft")]
+    extrapolated = not min(fitted_sizes) <= shapes.linear_params() <= max(fitted_sizes)
     return SpeedEstimate(soc=soc_name, decode_tok_s=1 / step, decode_ms_per_token=1000 * step, ttft_ms=1000 * ttft,
                          prefill_tok_s=prompt_len / ttft, prompt_len=prompt_len, prefill_ar_len=prefill_ar_len,
-                         decode_bytes=decode.total, decode_err=fit.error("decode"), ttft_err=fit.error("ttft"),
-                         source=fit.source)
+                         decode_bytes=decode.total, decode_err=fit.error("decode", "median", "model"),
+                         ttft_err=fit.error("ttft"), source=fit.source, decode_low=d_low / step,
+                         decode_high=d_high / step, ttft_low=1000 * ttft * t_low, ttft_high=1000 * ttft * t_high,
+                         ttft_extrapolated=extrapolated)
 
 
 def model_shapes(model_cfg) -> Shapes:

@@ -52,10 +52,12 @@ def describe(cfg, soc: str) -> str:
     return "\n".join([
         f"{cfg.model.name} quant={cfg.quant.name} on {soc}, context {context}, {backend.model_mode.value}: "
         f"{estimate.source}",
-        f"  decode: {estimate.decode_tok_s:.0f} tok/s ({estimate.decode_ms_per_token:.2f} ms/token), "
-        f"median error {100 * estimate.decode_err:.0f}% (leave-one-out over published figures)",
-        f"  TTFT:   {estimate.ttft_ms:.1f} ms for a {prompt}-token prompt in {chunks} "
-        f"(prefill {estimate.prefill_tok_s:.0f} tok/s), median error {100 * estimate.ttft_err:.0f}%",
+        f"  decode: {estimate.decode_tok_s:.0f} tok/s {estimate.interval('decode')} "
+        f"({estimate.decode_ms_per_token:.2f} ms/token), median error {100 * estimate.decode_err:.0f}% "
+        "(published figures, each predicted without its model's)",
+        f"  TTFT:   {estimate.ttft_ms:.1f} ms {estimate.interval('ttft')} for a {prompt}-token prompt in {chunks} "
+        f"(prefill {estimate.prefill_tok_s:.0f} tok/s), median error {100 * estimate.ttft_err:.0f}%"
+        + (" (extrapolated: outside the model sizes the TTFT figures cover)" if estimate.ttft_extrapolated else ""),
         f"  bytes per decode step: {decode.total / 1e6:.1f} MB = weights {decode.weights / 1e6:.1f} "
         f"(lm head {decode.lm_head / 1e6:.1f}) + KV cache {decode.kv_cache / 1e6:.1f} + I/O {decode.io / 1e6:.2f}",
     ])
@@ -80,8 +82,9 @@ def main(argv: List[str]) -> int:
             socs = [cfg.backend.soc.value]
             check_soc(socs[0])
         print("\n".join(describe(cfg, soc) for soc in socs))
-        print("(an estimate, not a measurement: docs/htp-speed.md says what it is fitted on and what it cannot know; "
-              "a compiled program's estimate counts its bytes with QNN's DDR summary)")
+        print("(an estimate, not a measurement; [low, high]: the 10-90% band of its held-out errors on published "
+              "figures. docs/htp-speed.md says what it is fitted on and what it cannot know; a compiled program's "
+              "estimate counts its bytes with QNN's DDR summary)")
     except QexpError as exc:
         print(f"qexp.speed: {exc}", file=sys.stderr)
         return 2

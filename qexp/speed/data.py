@@ -45,6 +45,11 @@ class Point:
     use: bool = True
     label: str = ""
     why: str = ""
+    quote: str = ""  # what the source says of the figure
+
+    @property
+    def is_floor(self) -> bool:
+        return self.kind == "floor"
 
     @property
     def name(self) -> str:
@@ -121,14 +126,17 @@ def published(path: Optional[str] = None) -> Published:
     def point(entry: dict, metric: str) -> Point:
         quant = quant_config(entry["quant"])
         ar_len = int(entry.get("ar_len", 1))
+        if entry.get("kind") not in ("measured", "floor"):
+            raise ConfigError(f"published.yaml: {entry} has kind {entry.get('kind')!r}", "give measured or floor")
         if entry["source"] not in data["sources"] or entry["soc"] not in socs:
             raise ConfigError(f"published.yaml: {entry} names an unknown source or SoC", "fix the data file")
         return Point(metric=metric, value=float(entry["tok_s"] if metric == "decode_tok_s" else entry["ms"]),
                      model=entry["model"], quant=entry["quant"], context=int(entry["context"]), soc=entry["soc"],
                      kind=entry["kind"], source=entry["source"], shapes=shapes[entry["model"]],
-                     bytes_per_call=stream_bytes(shapes[entry["model"]], quant, int(entry["context"]), ar_len),
+                     bytes_per_call=stream_bytes(shapes[entry["model"]], quant, int(entry["context"]), ar_len,
+                                                 kv_bits_override=entry.get("kv_bits")),
                      ar_len=ar_len, prompt=int(entry.get("prompt", 0)), use=bool(entry.get("use", True)),
-                     label=entry.get("label", ""), why=entry.get("why", ""))
+                     label=entry.get("label", ""), why=entry.get("why", ""), quote=entry.get("quote", ""))
 
     for key, source in data["sources"].items():
         if source.get("runtime") not in RUNTIMES:

@@ -36,7 +36,10 @@ import numpy as np
 
 from qexp.speed.bytes import Shapes, StreamBytes
 
-VERSION = "roofline-v3"  # v2: per-head q/k norms are single-head ops; v3: KV read per query head, Genie runtime
+# v2: per-head q/k norms are single-head ops; v3: KV read per query head, Genie runtime; v4: the published figures
+# relabelled from their sources, floors fitted as lower bounds, the KV-read term dropped (held at 0) on
+# leave-one-model-out error, an interval on every estimate
+VERSION = "roofline-v4"
 
 
 def head_ops(shapes: Shapes) -> int:
@@ -120,9 +123,22 @@ class SpeedEstimate:
     decode_err: float
     ttft_err: float
     source: str  # estimate:<model version>+<data hash>
+    # the interval: the 10-90% band of the held-out errors on published figures (qexp/speed/fit.py: Fit.band)
+    decode_low: float = float("nan")
+    decode_high: float = float("nan")
+    ttft_low: float = float("nan")
+    ttft_high: float = float("nan")
+    ttft_extrapolated: bool = False  # the model is outside the sizes the TTFT figures were fitted on
 
     def metrics(self) -> dict:
         return {"decode_tok_s_est": self.decode_tok_s, "decode_ms_per_token_est": self.decode_ms_per_token,
                 "ttft_ms_est": self.ttft_ms, "prefill_tok_s_est": self.prefill_tok_s,
                 "decode_bytes_per_token_est": self.decode_bytes, "decode_tok_s_est_err": self.decode_err,
-                "ttft_ms_est_err": self.ttft_err}
+                "ttft_ms_est_err": self.ttft_err, "decode_tok_s_est_low": self.decode_low,
+                "decode_tok_s_est_high": self.decode_high, "ttft_ms_est_low": self.ttft_low,
+                "ttft_ms_est_high": self.ttft_high, "ttft_ms_est_extrapolated": float(self.ttft_extrapolated)}
+
+    def interval(self, metric: str = "decode") -> str:
+        """`[231, 275]`: the estimate's interval, for a log line or a table cell."""
+        low, high = (self.decode_low, self.decode_high) if metric == "decode" else (self.ttft_low, self.ttft_high)
+        return f"[{low:.0f}, {high:.0f}]" if metric == "decode" or high >= 10 else f"[{low:.1f}, {high:.1f}]"

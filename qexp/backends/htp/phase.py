@@ -114,10 +114,12 @@ def estimate_speed(inputs: PhaseInputs, program: DeployedProgram, result: PhaseR
             result.metrics[f"qnn_vs_counted_bytes_{graph}"] = count["qnn"].total / count["analytic"].total
     result.metrics["weight_bytes_streamed"] = counts[DECODE_GRAPH]["analytic"].weights
     result.tags.update({"speed_source": estimate.source, "speed_bytes_source": bytes_source, "speed_soc": soc})
-    log.info("speed on %s, estimated (%s, bytes from %s): decode %.0f tok/s, TTFT %.1f ms for %d prompt tokens "
-             "(prefill %.0f tok/s); the model's median error on published figures: decode %.0f%%, TTFT %.0f%%",
-             soc, estimate.source, bytes_source, estimate.decode_tok_s, estimate.ttft_ms, estimate.prompt_len,
-             estimate.prefill_tok_s, 100 * estimate.decode_err, 100 * estimate.ttft_err)
+    log.info("speed on %s, estimated (%s, bytes from %s): decode %.0f tok/s %s, TTFT %.1f ms %s for %d prompt tokens "
+             "(prefill %.0f tok/s)%s; the model's median error on published figures: decode %.0f%%, TTFT %.0f%%",
+             soc, estimate.source, bytes_source, estimate.decode_tok_s, estimate.interval("decode"), estimate.ttft_ms,
+             estimate.interval("ttft"), estimate.prompt_len, estimate.prefill_tok_s,
+             " (TTFT extrapolated beyond the fitted model sizes)" if estimate.ttft_extrapolated else "",
+             100 * estimate.decode_err, 100 * estimate.ttft_err)
 
 
 def _evaluate_on_emulator(inputs: PhaseInputs, program: DeployedProgram, result: PhaseResult) -> None:
