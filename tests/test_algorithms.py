@@ -406,3 +406,18 @@ def test_bad_block_size_and_empty_calibration_fail_the_run_before_work(compose, 
         run_experiment(compose(TINY + ["quant=16a4w", "algorithm=[gptq]", "calibration.limit=0"]))
     after = set((cache_dir / "transform").glob("*")) if (cache_dir / "transform").exists() else set()
     assert after == before  # no cache entry for a failed transform
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["quant=16a2w", "algorithm=[gptq]"], "asymmetric codes"),
+    (["quant=16a2w", "algorithm=[weight_clip]"], "asymmetric codes"),
+    (["quant=16a2w", "+algorithm.seq_mse={}"], "asymmetric codes"),
+])
+def test_two_bit_weights_refuse_the_grid_searches(compose, overrides, match):
+    """The weight algorithms search symmetric grids; 16a2w's codes are [-2, 1]: one line before any work."""
+    from qexp.errors import ConfigError
+    from qexp.pipeline import validate
+
+    with pytest.raises(ConfigError, match=match):
+        validate(compose(TINY + overrides))
+    validate(compose(TINY + ["quant=16a2w", "algorithm=[rotation]"]))  # a rotation does not search a grid

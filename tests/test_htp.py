@@ -293,7 +293,7 @@ def test_three_phases_in_one_run(compose, store_uri, mode, path):
         assert "ll_deployed" not in per_window
 
 
-@pytest.mark.parametrize("scheme", ["8a8w", "8a4w", "16a16w", "16a4w", "16a4w_block"])
+@pytest.mark.parametrize("scheme", ["8a8w", "8a4w", "16a16w", "16a4w", "16a4w_block", "16a2w"])
 def test_every_scheme_reaches_htp_and_matches_qdq(compose, scheme):
     """Every scheme compiles from the calibration's encodings and runs: 8-bit activations keep 8-bit logits and mask
     at the graph's edge (tagged uint16 they gave garbage, ppl 1e110), per-block weights carry their observers'
@@ -315,6 +315,7 @@ def test_unknown_soc_lists_valid(compose):
 
 @pytest.mark.parametrize("override,match", [
     ("quant=fp32", "quantized scheme"),
+    ("quant=fp16a8w", "QDQ phase only"),
     ("backend.max_seq_len=128", "calibrated for"),
     ("backend.num_sharding=0", "num_sharding=0"),
     ("backend.num_sharding=99", "use 1 to the model's 2 layers"),

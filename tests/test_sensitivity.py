@@ -237,6 +237,7 @@ def test_synthesis_finds_the_fewest_promotions_and_says_when_a_budget_cannot_be_
 
 @pytest.mark.parametrize("override,message", [
     ("quant=fp32", "needs a low precision"),
+    ("quant=16a2w", "asymmetric codes [-2, 1]"),
     ("sensitivity.groups=layers\\.9\\.", "matches no group"),
     ("sensitivity.groups='('", "not a valid regex"),
     ("sensitivity.high=16a4w", "not more precise"),

@@ -57,7 +57,7 @@ def weight_layers(shapes: dict) -> list:
 
 def weight_bits(scheme: str) -> int:
     """Weight bits of a QNN scheme name: '16a4w' -> 4, '16a4w_block' -> 4, '8a8w' -> 8, '16a3w' -> 3."""
-    match = re.fullmatch(r"\d+a(\d+)w(?:_block)?", scheme)
+    match = re.fullmatch(r"(?:fp)?\d+a(\d+)w(?:_block)?", scheme)
     if not match:
         raise ValueError(f"not a quantized scheme: {scheme!r}")
     return int(match.group(1))
@@ -132,8 +132,9 @@ def activation_bits_for(quant_cfg, meta_key: str) -> Optional[int]:
 
 
 def activation_bits(scheme: str) -> int:
-    """Activation bits of a QNN scheme name: '8a8w' -> 8, '16a4w_block' -> 16."""
-    match = re.match(r"(\d+)a\d+w", scheme)
+    """Activation bits of a QNN scheme name: '8a8w' -> 8, '16a4w_block' -> 16, 'fp16a8w' -> 16 (float16: the QDQ
+    phase leaves such activations unquantized)."""
+    match = re.match(r"(?:fp)?(\d+)a\d+w", scheme)
     if not match:
         raise ValueError(f"not a quantized scheme: {scheme!r}")
     return int(match.group(1))

@@ -163,6 +163,8 @@ def make_quantizer(quant: QuantConfig, observer: ObserverConfig, soc: str, recom
         quantizer_cls = _with_4bit_weights_as(quantizer_cls, -3, 3)
     elif WeightRange(quant.get("weight_range", "narrow")) == WeightRange.full:
         quantizer_cls = _with_4bit_weights_as(quantizer_cls, -8, 7)
+    if quant.scheme == "fp16a8w":
+        quantizer_cls = _with_float_embedding(quantizer_cls)
     quantizer = quantizer_cls(soc_model=getattr(upstream.QcomChipset, soc))
     quantizer.set_recipe(build_recipe(quant, observer))
     return quantizer
@@ -189,6 +191,23 @@ def _with_4bit_weights_as(quantizer_cls, quant_min: int, quant_max: int):
             return model
 
     return QnnQuantizerWeightRange
+
+
+def _with_float_embedding(quantizer_cls):
+    """fp16a8w's embedding left unannotated (a float gather): QnnQuantizer quantizes the embedding table with the
+    activation spec, which fp16a8w does not have (None), and shares it with the lookup's output, so torchao's
+    prepare_pt2e fails on it ('NoneType' object has no attribute 'to'). Upstream tests fp16a8w on single convolutions
+    and linears only."""
+
+    class QnnQuantizerFloatEmbedding(quantizer_cls):
+        def annotate(self, model):
+            model = super().annotate(model)
+            for node in model.graph.nodes:
+                if node.target == torch.ops.aten.embedding.default:
+                    node.meta.pop("quantization_annotation", None)
+            return model
+
+    return QnnQuantizerFloatEmbedding
 
 
 def validate_recipe(quant: QuantConfig, observer: ObserverConfig) -> None:

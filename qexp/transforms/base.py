@@ -149,6 +149,17 @@ class GridSearchTransform(ModelTransform):
         if cfg.quant.scheme == NO_QUANT:
             raise ConfigError(f"algorithm {self.name} {self.needs_grid_because}, and quant=fp32 has none",
                               "choose a weight-quantized scheme, e.g. quant=16a4w")
+        refuse_two_bit_weights(cfg, self.name)
+
+
+def refuse_two_bit_weights(cfg, name: str) -> None:
+    """qexp's weight algorithms search symmetric grids [-qmax, qmax]; QnnQuantizer's 2-bit weights are [-2, 1] (four
+    codes, scale absmax / 1.5), which no algorithm here models."""
+    schemes = [cfg.quant.scheme, *(o.scheme for o in cfg.quant.overrides)]
+    if "16a2w" in schemes:
+        raise ConfigError(f"algorithm {name} searches a symmetric weight grid, and 16a2w's 2-bit weights are the "
+                          "asymmetric codes [-2, 1]", "use quant=16a2w with round to nearest (algorithm=[]) or "
+                          "with rotation only (algorithm=[rotation])")
 
     def grid_dependency(self, cfg) -> Dict[str, Any]:
         """What in the quant config decides the weight grids."""

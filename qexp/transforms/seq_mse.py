@@ -34,10 +34,12 @@ class SeqMse(CalibrationAlgorithm):
 
     def validate(self, cfg) -> None:
         from qexp.config import Granularity
+        from qexp.transforms.base import refuse_two_bit_weights
 
         if cfg.quant.scheme == NO_QUANT:
             raise ConfigError("algorithm seq_mse searches weight scales, and quant=fp32 has none",
                               "choose a quantized scheme, e.g. quant=16a4w_block")
+        refuse_two_bit_weights(cfg, self.name)
         if cfg.quant.weight_granularity == Granularity.per_tensor:
             raise ConfigError("algorithm seq_mse needs per-channel or per-block weights (ExecuTorch's search has no "
                               "per-tensor case)", "set quant.weight_granularity=per_channel or per_block")

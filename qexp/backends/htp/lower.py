@@ -189,7 +189,8 @@ def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, sta
         shard_graph(passes, deps, static.n_layers, backend.num_sharding)
     spec = generate_qnn_executorch_compiler_spec(
         soc_model=getattr(upstream.QcomChipset, backend.soc.value),
-        backend_options=generate_htp_compiler_spec(use_fp16=False, use_weight_sharing=False,
+        # float16 activations (fp16a8w) run as such on HTP only with its fp16 precision switched on
+        backend_options=generate_htp_compiler_spec(use_fp16=cfg.quant.scheme == "fp16a8w", use_weight_sharing=False,
                                                    use_multi_contexts=backend.num_sharding > 1),
         shared_buffer=False,  # the x86 emulator supports neither shared buffers nor weight sharing
         use_mha2sha=True,
