@@ -236,8 +236,8 @@ def test_report_gives_qdq_only_runs_a_what_if_speed(compose, store_uri, tmp_path
     result = run_experiment(compose(TINY + ["quant=16a4w", "tracking.experiment=speed_what_if"]))
     out = tmp_path / "out"
     assert main(["--experiment", "speed_what_if", "--tracking-uri", store_uri, "--speed-estimate", "SM8750",
-                 "--columns", "model,scheme,ppl_qdq,decode_tok_s,ttft_ms,speed_source", "--name", "what_if",
-                 "--out-dir", str(out)]) == 0
+                 "--columns", "model,scheme,ppl_qdq,decode_tok_s,decode_tok_s_band,ttft_ms,speed_source",
+                 "--name", "what_if", "--out-dir", str(out)]) == 0
     text = (out / "what_if.md").read_text()
     assert "what-if SM8750" in text and "--speed-estimate SM8750" in text
     import pandas as pd
@@ -248,5 +248,7 @@ def test_report_gives_qdq_only_runs_a_what_if_speed(compose, store_uri, tmp_path
                         "vocab_size": 512})
     expected = estimate_config(shapes, quant_config("16a4w"), "SM8750", 64, 32, 32)[0]
     assert row["decode_tok_s"] == pytest.approx(expected.decode_tok_s, rel=1e-6)
+    # the estimate's interval beside it
+    assert f"[{expected.decode_low:.0f}, {expected.decode_high:.0f}]" in text and "10-90% band (est.)" in text
     assert main(["--experiment", "speed_what_if", "--tracking-uri", store_uri, "--speed-estimate", "SM8550",
                  "--out-dir", str(out)]) == 2

@@ -37,7 +37,7 @@ RELATIVE = re.compile(r"^ppl_.*_vs_")
 TIMING = re.compile(r"(_ms|_tok_s|_us_per_token)$|^time_")
 # A phone speed estimate (qexp/speed): comparable between runs of one estimate version on one SoC, whatever host ran
 # them; its error is the model's, shared by both runs' figures.
-ESTIMATE = re.compile(r"_est(_err)?$")
+ESTIMATE = re.compile(r"_est(_err|_low|_high|_extrapolated)?$")
 INTERVAL_SUFFIXES = ("_ci_low", "_ci_high", "_ci_units")
 VALUE_WIDTH = 44  # a param value longer than this (quant.overrides, prompts) is cut; the MLflow UI has it whole
 

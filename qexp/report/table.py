@@ -47,6 +47,8 @@ EXTRA_COLUMNS: Dict[str, tuple[str, str]] = {
     "top1_deployed_vs_qdq": ("metrics.top1_agreement_deployed_vs_qdq", "top-1 deployed vs QDQ"),
     "decoder": ("tags.decoder", "decoder"),
     "prefill_tok_s": ("prefill_tok_s", "prefill tok/s"),
+    # the estimate's interval (speed model v4 on): the 10-90% band of its held-out errors on published figures
+    "decode_tok_s_band": ("decode_tok_s_band", "decode tok/s 10-90% band (est.)"),
     # the x86 emulator's own timings of an HTP run (backend.bench.emulator=true), beside the estimate
     "ttft_ms_emulator": ("ttft_ms_emulator", "TTFT ms (x86_emulator)"),
     "decode_tok_s_emulator": ("decode_tok_s_emulator", "decode tok/s (x86_emulator)"),

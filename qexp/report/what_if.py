@@ -67,7 +67,7 @@ def add_speed_estimates(runs: pd.DataFrame, soc: str, report_notes: Optional[lis
             values = None
         if values is None:
             missing += 1
-            for column in [c for c in runs if c.endswith("_est") or c.endswith("_est_err")]:
+            for column in [c for c in runs if c.endswith(("_est", "_est_err", "_est_low", "_est_high"))]:
                 runs.at[i, column] = float("nan")
             continue
         for column, value in values.items():
