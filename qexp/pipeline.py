@@ -174,14 +174,18 @@ def validate(cfg: DictConfig, transforms: Optional[List[Any]] = None) -> RunPlan
     return RunPlan(backend, transforms)
 
 
+def algorithms(cfg: DictConfig) -> List[Any]:
+    """cfg.algorithm's transforms, in order (unvalidated: validate() checks them against the whole config)."""
+    from qexp.transforms import build_transforms
+
+    return build_transforms(cfg.algorithm)
+
+
 def _built_transforms(cfg: DictConfig) -> Optional[List[Any]]:
     """cfg.algorithm's transforms for the run's name and its checks; None when they cannot be built (the check
     inside the run then fails it with the reason)."""
-    from qexp.errors import ConfigError
-    from qexp.transforms import build_transforms
-
     try:
-        return build_transforms(cfg.algorithm)
+        return algorithms(cfg)
     except ConfigError:
         return None
 

@@ -161,16 +161,14 @@ def transform(state) -> None:
     from qexp.eval.perplexity import cached_evaluation
     from qexp.models.static_llama import StaticLlama
     from qexp.tracking.store import CurveLog
-    from qexp.transforms import TransformContext, algorithm_label, apply_transforms, model_transforms
+    from qexp.transforms import algorithm_label, model_transforms
 
     transforms = model_transforms(state.transforms)
     if not transforms:
         state.deploy_model, state.static = state.model, state.fp_static
         return
     curves = CurveLog() if state.tracked else None  # logs a training's curves as it trains, the rest once done
-    context = TransformContext(state.cfg, state.calibration, state.cache, state.timer, reference=state.model,
-                               reference_static=state.fp_static, progress=curves, device=state.device)
-    model = apply_transforms(state.model, transforms, context)
+    model, context = apply_algorithms(state, transforms, curves)
     for outputs in context.outputs.values():
         _log_transform_outputs(state, outputs, curves)
     state.tags.update({f"transform_cache_hit.{name}": str(hit).lower() for name, hit in context.cache_hits.items()})
@@ -187,6 +185,16 @@ def transform(state) -> None:
     state.tags.update({"algorithm": algorithm_label(transforms), "model_sha256_transformed": model.fingerprint})
     log.info("transforms %s: float ppl %.4f (untransformed %.4f)", ",".join(model.transforms),
              state.metrics["ppl_fp_transformed"], state.metrics["ppl_fp"])
+
+
+def apply_algorithms(state, transforms: list, progress=None):
+    """`transforms` applied to the run's float model with its calibration, cache, timer and device (each cached
+    where it is cacheable) -> (the model, the TransformContext with what each reported)."""
+    from qexp.transforms import TransformContext, apply_transforms
+
+    context = TransformContext(state.cfg, state.calibration, state.cache, state.timer, reference=state.model,
+                               reference_static=state.fp_static, progress=progress, device=state.device)
+    return apply_transforms(state.model, transforms, context), context
 
 
 def _log_transform_outputs(state, outputs: dict, curves) -> None:
@@ -207,6 +215,7 @@ def qdq(state) -> None:
     from qexp.quant.calibrate import quantize
     from qexp.quant.encodings import encodings_table, summarize_encodings, weights_megabytes
     from qexp.quant.fold import with_weights_dequantized
+    from qexp.quant.grid import grid_tags
     from qexp.quant.htp_arithmetic_pass import MODELLED_OPS
     from qexp.quant.w4_lowering import htp_exact_lowering
     from qexp.transforms import algorithm_label, calibration_algorithms
@@ -331,19 +340,6 @@ def _score_deployed(state, deployed) -> None:
     hint = state.backend.scoring_hint(state.tags.get("qdq_arithmetic"), metrics)
     if hint:
         log.info(hint)
-
-
-def grid_tags(cfg) -> dict:
-    """What the decoder's linears and the lm head were quantized to, and whether a QNN backend can run it."""
-    from qexp.config import QDQ_ONLY_SCHEMES
-    from qexp.quant.grid import grid_for
-
-    weight_grid = grid_for(cfg.quant, "layers.0.attention.wq.weight").describe()
-    if str(cfg.quant.get("weight_range", "narrow")).endswith("full") and weight_grid.startswith("int4"):
-        weight_grid = weight_grid.replace("int4 sym", "int4 sym [-8, 7]")  # the quant.weight_range=full ablation
-    return {"weight_grid": weight_grid,
-            "lm_head_grid": grid_for(cfg.quant, "output.weight").describe(),
-            "deployable": str(cfg.quant.scheme not in QDQ_ONLY_SCHEMES).lower()}
 
 
 STAGE_FUNCTIONS = {"load": load, "text": text, "fp": fp, "calibration": calibration, "transform": transform,

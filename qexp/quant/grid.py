@@ -75,6 +75,8 @@ class WeightGrid:
         return 2 ** (self.bits - 1) - 1
 
     def describe(self) -> str:
+        if self.bits == 2:  # QnnQuantizer's 2-bit codes are [-2, 1] (four levels), not a symmetric grid
+            return "int2 [-2, 1] per channel"
         if not self.block_size:
             return f"int{self.bits} sym per channel"
         return f"int{self.bits} sym block {self.block_size} (LPBQ scales: {self.block_scale_rounding.value})"
@@ -143,3 +145,15 @@ def activation_bits(scheme: str) -> int:
 def _rounding(quant_cfg) -> BlockScaleRounding:
     value = getattr(quant_cfg, "block_scale_rounding", BlockScaleRounding.nearest)
     return value if isinstance(value, BlockScaleRounding) else BlockScaleRounding(value)
+
+
+def grid_tags(cfg) -> dict:
+    """What the decoder's linears and the lm head were quantized to, and whether a QNN backend can run it."""
+    from qexp.config import QDQ_ONLY_SCHEMES
+
+    weight_grid = grid_for(cfg.quant, "layers.0.attention.wq.weight").describe()
+    if str(cfg.quant.get("weight_range", "narrow")).endswith("full") and weight_grid.startswith("int4"):
+        weight_grid = weight_grid.replace("int4 sym", "int4 sym [-8, 7]")  # the quant.weight_range=full ablation
+    return {"weight_grid": weight_grid,
+            "lm_head_grid": grid_for(cfg.quant, "output.weight").describe(),
+            "deployable": str(cfg.quant.scheme not in QDQ_ONLY_SCHEMES).lower()}

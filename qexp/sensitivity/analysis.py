@@ -89,8 +89,7 @@ def validate_analysis(cfg) -> None:
     shapes = linear_shapes(cfg.model)
     if shapes:
         select_groups(model_groups(shapes), s.groups)
-    validate(cfg)
-    validate_low_weights(cfg)
+    validate_low_weights(cfg, validate(cfg).transforms)
 
 
 def selection_windows(state, cfg, selection=None, key: str = "sensitivity.selection"):

@@ -37,25 +37,22 @@ class ProgramWeights:
 
 
 def split_algorithms(transforms: list) -> Tuple[list, list]:
-    """(start, rounding tail) of the model transforms in order."""
-    from qexp.transforms import model_transforms
-
-    model = model_transforms(transforms)
+    """(start, rounding tail) of the model transforms in order (the calibration-time algorithms, SeqMSE, left out)."""
+    model = [t for t in transforms if t.acts_on == "model"]
     n = len(model)
     while n and model[n - 1].rounds_weights:
         n -= 1
     return model[:n], model[n:]
 
 
-def validate_low_weights(cfg) -> None:
+def validate_low_weights(cfg, transforms: list) -> None:
+    """`transforms`: the run's algorithms (pipeline.validate's RunPlan)."""
     from qexp.config import LOW_WEIGHTS
-    from qexp.transforms import build_transforms
 
     mode = cfg.sensitivity.low_weights
     if mode not in LOW_WEIGHTS:
         raise ConfigError(f"sensitivity.low_weights={mode!r}", f"choose one of: {', '.join(LOW_WEIGHTS)}")
     if mode == "algorithms":
-        transforms = build_transforms(cfg.algorithm)
         _, tail = split_algorithms(transforms)
         if not tail:
             names = ",".join(t.name for t in transforms)
@@ -69,21 +66,19 @@ def recipe_tag(cfg) -> str:
     recipe never takes a round-to-nearest recipe's name; "" for rtn."""
     from omegaconf import OmegaConf
 
-    from qexp.transforms import build_transforms
+    from qexp.pipeline import algorithms
 
     if OmegaConf.select(cfg, "sensitivity.low_weights", default="rtn") != "algorithms":
         return ""
-    return "".join(f"_{t.name}" for t in split_algorithms(build_transforms(cfg.algorithm))[1])
+    return "".join(f"_{t.name}" for t in split_algorithms(algorithms(cfg))[1])
 
 
 def start_model(state):
     """The run's model through the algorithms before the rounding tail (cached where they are)."""
-    from qexp.transforms import TransformContext, apply_transforms
+    from qexp.stages import apply_algorithms
 
     start, _ = split_algorithms(state.transforms)
-    context = TransformContext(state.cfg, state.calibration, state.cache, state.timer, reference=state.model,
-                               reference_static=state.fp_static, device=state.device)
-    return apply_transforms(state.model, start, context)
+    return apply_algorithms(state, start)[0]
 
 
 def _linears(model) -> List[str]:
