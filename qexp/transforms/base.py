@@ -151,6 +151,13 @@ class GridSearchTransform(ModelTransform):
                               "choose a weight-quantized scheme, e.g. quant=16a4w")
         refuse_two_bit_weights(cfg, self.name)
 
+    def grid_dependency(self, cfg) -> Dict[str, Any]:
+        """What in the quant config decides the weight grids."""
+        q = cfg.quant
+        return {"scheme": q.scheme, "weight_granularity": str(q.weight_granularity), "block_size": q.block_size,
+                "block_scale_rounding": str(q.block_scale_rounding),
+                "overrides": [(o.pattern, o.scheme, str(o.granularity), o.block_size) for o in q.overrides]}
+
 
 def refuse_two_bit_weights(cfg, name: str) -> None:
     """qexp's weight algorithms search symmetric grids [-qmax, qmax]; QnnQuantizer's 2-bit weights are [-2, 1] (four
@@ -160,13 +167,6 @@ def refuse_two_bit_weights(cfg, name: str) -> None:
         raise ConfigError(f"algorithm {name} searches a symmetric weight grid, and 16a2w's 2-bit weights are the "
                           "asymmetric codes [-2, 1]", "use quant=16a2w with round to nearest (algorithm=[]) or "
                           "with rotation only (algorithm=[rotation])")
-
-    def grid_dependency(self, cfg) -> Dict[str, Any]:
-        """What in the quant config decides the weight grids."""
-        q = cfg.quant
-        return {"scheme": q.scheme, "weight_granularity": str(q.weight_granularity), "block_size": q.block_size,
-                "block_scale_rounding": str(q.block_scale_rounding),
-                "overrides": [(o.pattern, o.scheme, str(o.granularity), o.block_size) for o in q.overrides]}
 
 
 def _setting_text(value: Any) -> str:
