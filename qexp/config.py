@@ -73,10 +73,10 @@ class TextSource(enum.Enum):
 
 # Quantization schemes qexp knows, as QnnQuantizer's QuantDtype names without the `use_` prefix.
 SCHEMES = ("8a8w", "16a16w", "16a8w", "16a4w", "16a4w_block", "8a4w", "16a2w", "fp16a8w", "16a3w", "16a3w_block")
-# Research schemes QnnQuantizer can simulate (QDQ on the CPU) but no QNN backend runs: HTP has no 3-bit weights.
-# Each is its 4-bit recipe with the 4-bit weights' integer range narrowed to [-3, 3].
+# QDQ-only research schemes (HTP has no 3-bit weights): each its 4-bit recipe with the range narrowed to [-3, 3].
 QDQ_ONLY_SCHEMES = {"16a3w": "16a4w", "16a3w_block": "16a4w_block"}
 NO_QUANT = "fp32"
+FLOAT_ACTIVATION_SCHEME = "fp16a8w"  # float16 activations: no activation encodings
 
 
 @dataclass

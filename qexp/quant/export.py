@@ -15,7 +15,8 @@ from typing import Any, List
 
 import torch
 
-from qexp.config import NO_QUANT, QDQ_ONLY_SCHEMES, ObserverConfig, ObserverKind, QuantConfig, WeightRange
+from qexp.config import (FLOAT_ACTIVATION_SCHEME, NO_QUANT, QDQ_ONLY_SCHEMES, ObserverConfig, ObserverKind,
+                         QuantConfig, WeightRange)
 from qexp.errors import ConfigError
 
 _HEADER = '''"""{title}
@@ -38,7 +39,7 @@ def check_exportable(quant: QuantConfig, observer: ObserverConfig) -> None:
     if quant.scheme in QDQ_ONLY_SCHEMES:
         raise ConfigError(f"quant.scheme={quant.scheme} is a QDQ-only research scheme: HTP has no such weights",
                           "export a 4-, 8- or 16-bit scheme")
-    if quant.scheme == "fp16a8w":
+    if quant.scheme == FLOAT_ACTIVATION_SCHEME:
         raise ConfigError("quant.scheme=fp16a8w: qexp leaves the embedding unannotated (QnnQuantizer's fp16a8w "
                           "annotation of it fails in prepare_pt2e), which upstream's recipe class cannot say",
                           "export a 4-, 8- or 16-bit integer scheme")

@@ -12,8 +12,8 @@ import re
 import torch
 
 from qexp import upstream
-from qexp.config import (NO_QUANT, QDQ_ONLY_SCHEMES, SCHEMES, Granularity, ObserverConfig, ObserverKind, QuantConfig,
-                         WeightRange)
+from qexp.config import (FLOAT_ACTIVATION_SCHEME, NO_QUANT, QDQ_ONLY_SCHEMES, SCHEMES, Granularity, ObserverConfig,
+                         ObserverKind, QuantConfig, WeightRange)
 from qexp.errors import ConfigError
 from qexp.upstream.private_quantize import quantizer_keeping_hadamard_matmul
 
@@ -163,7 +163,7 @@ def make_quantizer(quant: QuantConfig, observer: ObserverConfig, soc: str, recom
         quantizer_cls = _with_4bit_weights_as(quantizer_cls, -3, 3)
     elif WeightRange(quant.get("weight_range", "narrow")) == WeightRange.full:
         quantizer_cls = _with_4bit_weights_as(quantizer_cls, -8, 7)
-    if quant.scheme == "fp16a8w":
+    if quant.scheme == FLOAT_ACTIVATION_SCHEME:
         quantizer_cls = _with_float_embedding(quantizer_cls)
     quantizer = quantizer_cls(soc_model=getattr(upstream.QcomChipset, soc))
     quantizer.set_recipe(build_recipe(quant, observer))

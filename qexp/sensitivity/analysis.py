@@ -64,9 +64,10 @@ def validate_analysis(cfg) -> None:
     if cfg.quant.scheme == NO_QUANT:
         raise ConfigError("quant=fp32: a sensitivity analysis needs a low precision to measure",
                           "choose the low precision with quant=, e.g. quant=16a4w or quant=16a4w_block")
-    if cfg.quant.scheme == "16a2w":
-        raise ConfigError("quant=16a2w: the analysis fake-quantizes weights on symmetric grids, and 2-bit weights are "
-                          "the asymmetric codes [-2, 1]", "analyse at 4 bits (quant=16a4w or quant=16a4w_block)")
+    if low_grid(cfg.quant).bits == 2:
+        raise ConfigError(f"quant={cfg.quant.scheme}: the analysis fake-quantizes weights on symmetric grids, and "
+                          "2-bit weights are the asymmetric codes [-2, 1]",
+                          "analyse at 4 bits (quant=16a4w or quant=16a4w_block)")
     s = cfg.sensitivity
     low, high = low_grid(cfg.quant), high_grid(s.high)
     if grid_bits(high) <= grid_bits(low):

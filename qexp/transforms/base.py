@@ -162,8 +162,10 @@ class GridSearchTransform(ModelTransform):
 def refuse_two_bit_weights(cfg, name: str) -> None:
     """qexp's weight algorithms search symmetric grids [-qmax, qmax]; QnnQuantizer's 2-bit weights are [-2, 1] (four
     codes, scale absmax / 1.5), which no algorithm here models."""
+    from qexp.quant.grid import weight_bits
+
     schemes = [cfg.quant.scheme, *(o.scheme for o in cfg.quant.overrides)]
-    if "16a2w" in schemes:
+    if any(weight_bits(s) == 2 for s in schemes if s != NO_QUANT):
         raise ConfigError(f"algorithm {name} searches a symmetric weight grid, and 16a2w's 2-bit weights are the "
                           "asymmetric codes [-2, 1]", "use quant=16a2w with round to nearest (algorithm=[]) or "
                           "with rotation only (algorithm=[rotation])")

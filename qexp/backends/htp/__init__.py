@@ -11,7 +11,7 @@ import math
 from qexp.backends.base import Backend, PhaseInputs, PhaseResult
 from qexp.backends.htp.config import HtpConfig, ModelMode
 from qexp.backends.registry import register_backend
-from qexp.config import KV_8BIT_ANNOTATION, NO_QUANT
+from qexp.config import FLOAT_ACTIVATION_SCHEME, KV_8BIT_ANNOTATION, NO_QUANT
 from qexp.errors import ConfigError
 
 log = logging.getLogger("qexp")
@@ -33,7 +33,7 @@ class HtpBackend(Backend):
         backend, bench = cfg.backend, cfg.backend.bench
         if cfg.quant.scheme == NO_QUANT:
             raise ConfigError("backend=htp needs a quantized scheme, not quant=fp32", "choose e.g. quant=16a8w")
-        if cfg.quant.scheme == "fp16a8w":
+        if cfg.quant.scheme == FLOAT_ACTIVATION_SCHEME:
             # the deploy graphs tie each KV cache's input encoding to its output's and tag integer I/O; float16
             # caches and logits need float I/O, which qexp's lowering does not build yet (measured: StopIteration
             # looking for the caches' observers)

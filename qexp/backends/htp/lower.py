@@ -31,6 +31,7 @@ from qexp.backends.htp.config import Contexts, ModelMode
 from qexp.backends.htp.graph import check_one_kv_cache_width, io_bits, io_encodings, quantized_graph
 from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
 from qexp.cache import Cache, stable_hash
+from qexp.config import FLOAT_ACTIVATION_SCHEME
 from qexp.errors import ConfigError
 from qexp.models.loaded import LoadedModel
 from qexp.models.static_llama import uses_masked_softmax
@@ -190,7 +191,8 @@ def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, sta
     spec = generate_qnn_executorch_compiler_spec(
         soc_model=getattr(upstream.QcomChipset, backend.soc.value),
         # float16 activations (fp16a8w) run as such on HTP only with its fp16 precision switched on
-        backend_options=generate_htp_compiler_spec(use_fp16=cfg.quant.scheme == "fp16a8w", use_weight_sharing=False,
+        backend_options=generate_htp_compiler_spec(use_fp16=cfg.quant.scheme == FLOAT_ACTIVATION_SCHEME,
+                                                   use_weight_sharing=False,
                                                    use_multi_contexts=backend.num_sharding > 1),
         shared_buffer=False,  # the x86 emulator supports neither shared buffers nor weight sharing
         use_mha2sha=True,
