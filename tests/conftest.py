@@ -20,6 +20,9 @@ import pytest
 # outnumber the cores and OpenMP's spin-waits burn the CPU the other workers need (docs/testing-and-benchmarks.md).
 # Subprocesses inherit the variable.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+# A metric logged without its entry in the metric catalog (qexp/eval/metrics.py) fails the test that logs it, in
+# this process and in the runs it starts.
+os.environ["QEXP_CHECK_METRICS"] = "1"
 if _WORKERS:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
@@ -177,3 +180,24 @@ def pytest_xdist_make_scheduler(config, log):
             return self.units.get(nodeid, nodeid.split("::")[0])
 
     return UnitScheduling(config, log)
+
+
+
+# QEXP_BUILD_TRACE=<file>: each cache build or hit of this process's tests as a JSON line (test, kind, key, hit,
+# seconds), to find the tests that build the same entry (docs/testing-and-benchmarks.md); off by default.
+if os.environ.get("QEXP_BUILD_TRACE"):
+    import time
+
+    from qexp.cache import Cache
+
+    _get_or_build = Cache.get_or_build
+
+    def _traced(self, kind, key, build):
+        start = time.time()
+        path, hit = _get_or_build(self, kind, key, build)
+        with open(os.environ["QEXP_BUILD_TRACE"], "a") as out:
+            out.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "kind": kind, "key": key,
+                                  "hit": hit, "s": round(time.time() - start, 2), "pid": os.getpid()}) + "\n")
+        return path, hit
+
+    Cache.get_or_build = _traced

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Dict, Type
+from typing import Type
 
 from qexp.backends.base import Backend
 from qexp.errors import ConfigError
+from qexp.registry import Registry
 
-BACKENDS: Dict[str, Type[Backend]] = {}
+BACKENDS: Registry[Type[Backend]] = Registry("backend")
 
 
 def register_backend(cls: Type[Backend]) -> Type[Backend]:
@@ -15,9 +16,7 @@ def register_backend(cls: Type[Backend]) -> Type[Backend]:
     conf/backend/<name>.yaml lists in its defaults)."""
     from hydra.core.config_store import ConfigStore
 
-    if cls.name in BACKENDS and BACKENDS[cls.name] is not cls:
-        raise ValueError(f"backend {cls.name!r} is registered twice ({BACKENDS[cls.name]} and {cls})")
-    BACKENDS[cls.name] = cls
+    BACKENDS.add(cls.name, cls)
     ConfigStore.instance().store(group="backend", name=f"{cls.name}_schema", node=cls.config_class)
     return cls
 

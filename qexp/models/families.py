@@ -19,6 +19,7 @@ from typing import Callable, Dict, FrozenSet, Optional, Tuple
 import torch
 
 from qexp.errors import InputError
+from qexp.registry import Registry
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -47,15 +48,14 @@ class Family:
     gguf_architectures: Tuple[str, ...] = ()  # GGUF `general.architecture` values of this family's checkpoints
 
 
-FAMILIES: Dict[str, Family] = {}
+FAMILIES: Registry[Family] = Registry("model family")
 
 
 def register_family(family: Family) -> Family:
     unknown = sorted(set(family.features) - set(FEATURES))
     if unknown:
         raise ValueError(f"family {family.name}: unknown features {unknown}; known: {sorted(FEATURES)}")
-    FAMILIES[family.name] = family
-    return family
+    return FAMILIES.add(family.name, family)
 
 
 def family_of_hf_architecture(architecture: str) -> Optional[Family]:

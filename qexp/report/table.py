@@ -13,8 +13,15 @@ import numpy as np
 import pandas as pd
 
 from qexp.config import NO_QUANT
+from qexp.eval.metrics import header
 from qexp.report.base import Report, ReportError, algorithms_from_params, column
 from qexp.report.speeds import EMULATED, SPEEDS, speed_columns, speed_headers  # noqa: F401 - EMULATED for others
+
+
+
+def _metric(name: str) -> tuple[str, str]:
+    return f"metrics.{name}", header(name)  # the header is the metric catalog's (qexp/eval/metrics.py)
+
 
 # column name -> (MLflow column, header); the default table, in the seeds' order
 COLUMNS: Dict[str, tuple[str, str]] = {
@@ -25,9 +32,9 @@ COLUMNS: Dict[str, tuple[str, str]] = {
     "kv_mode": ("kv_mode", "KV mode"),
     "backend": ("params.backend.name", "backend"),
     "target": ("target", "target"),
-    "ppl_fp": ("metrics.ppl_fp", "PPL FP"),
-    "ppl_qdq": ("metrics.ppl_qdq", "PPL QDQ"),
-    "ppl_deployed": ("metrics.ppl_deployed", "PPL deployed"),
+    "ppl_fp": _metric("ppl_fp"),
+    "ppl_qdq": _metric("ppl_qdq"),
+    "ppl_deployed": _metric("ppl_deployed"),
     "delta_vs_fp": ("delta_vs_fp", "Δ vs FP"),
     "ttft_ms": ("ttft_ms", "TTFT ms"),
     "decode_tok_s": ("decode_tok_s", "decode tok/s"),
@@ -37,14 +44,14 @@ COLUMNS: Dict[str, tuple[str, str]] = {
 EXTRA_COLUMNS: Dict[str, tuple[str, str]] = {
     "model_mode": ("params.backend.model_mode", "model mode"),
     "soc": ("params.backend.soc", "SoC"),
-    "weights_mb": ("metrics.weights_mb", "weights MB"),
-    "weight_bits": ("metrics.weight_bits_decoder", "bits/weight (decoder)"),
-    "lm_head_bits": ("metrics.weight_bits_lm_head", "lm head bits"),
-    "weights_htp_mb": ("metrics.weights_htp_decoder_mb", "decoder weights MB (HTP)"),
-    "ppl_fp_sub": ("metrics.ppl_fp_sub", "PPL FP (deployed subset)"),
-    "ppl_qdq_sub": ("metrics.ppl_qdq_sub", "PPL QDQ (deployed subset)"),
-    "ppl_deployed_vs_qdq": ("metrics.ppl_deployed_vs_qdq", "Δ deployed vs QDQ"),
-    "top1_deployed_vs_qdq": ("metrics.top1_agreement_deployed_vs_qdq", "top-1 deployed vs QDQ"),
+    "weights_mb": _metric("weights_mb"),
+    "weight_bits": _metric("weight_bits_decoder"),
+    "lm_head_bits": _metric("weight_bits_lm_head"),
+    "weights_htp_mb": _metric("weights_htp_decoder_mb"),
+    "ppl_fp_sub": _metric("ppl_fp_sub"),
+    "ppl_qdq_sub": _metric("ppl_qdq_sub"),
+    "ppl_deployed_vs_qdq": _metric("ppl_deployed_vs_qdq"),
+    "top1_deployed_vs_qdq": _metric("top1_agreement_deployed_vs_qdq"),
     "decoder": ("tags.decoder", "decoder"),
     "prefill_tok_s": ("prefill_tok_s", "prefill tok/s"),
     # the estimate's interval (speed model v4 on): the 10-90% band of its held-out errors on published figures
@@ -124,12 +131,14 @@ def resolve_columns(names: Optional[Sequence[str]]) -> Dict[str, tuple[str, str]
     for name in names:
         if name in known:
             out[name] = known[name]
-        elif name.startswith(("metrics.", "params.", "tags.")):
+        elif name.startswith("metrics."):
+            out[name] = _metric(name.split(".", 1)[1])
+        elif name.startswith(("params.", "tags.")):
             out[name] = (name, name.split(".", 1)[1])
         elif name.startswith("task.") and "_vs_" in name:  # a task delta: shown with its 95% interval
             out[name] = (f"metrics.{name}", f"Δ {name[len('task.'):]}")
-        else:  # a bare metric name, e.g. kv_update_us_per_token
-            out[name] = (f"metrics.{name}", name)
+        else:  # a bare metric name, e.g. ttft_ms_est_high
+            out[name] = _metric(name)
     return out
 
 

@@ -20,7 +20,9 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from qexp.config import SEARCH_KINDS, SEARCH_OBJECTIVES
+from qexp.config import SEARCH_KINDS
+from qexp.eval.metrics import LOWER, better
+from qexp.eval.metrics import check as check_metrics
 
 log = logging.getLogger("qexp")
 
@@ -30,7 +32,7 @@ COLUMNS = {"ppl": "ppl_vs_fp_selection", "bits": "bits", "decode_tok_s": "decode
 def pareto_front(trials: pd.DataFrame, objectives: List[str]) -> pd.DataFrame:
     """The trials no other trial dominates (at least as good in every objective, better in one), one per recipe,
     sorted by bits."""
-    signs = {name: 1.0 if SEARCH_OBJECTIVES[name] == "minimize" else -1.0 for name in objectives}
+    signs = {name: 1.0 if better(COLUMNS[name]) == LOWER else -1.0 for name in objectives}  # the catalog's direction
     values = pd.DataFrame({n: signs[n] * trials[COLUMNS[n]].astype(float) for n in objectives})
     keep = []
     for i, row in values.iterrows():
@@ -120,6 +122,7 @@ class SearchCallback(Callback):
             title = (f"{config.model.name}: {config.quant.name} + {config.sensitivity.high}, "
                      f"{len(trials)} trials (NSGA-II), selection windows")
             client.log_artifact(parent, str(front_plot(trials, front, Path(tmp) / "front.png", title)), "search")
+        check_metrics(["search_trials_finished", "search_front_size"])
         client.log_metric(parent, "search_trials_finished", len(trials))
         client.log_metric(parent, "search_front_size", len(front))
         client.set_tag(parent, "qexp.search_objectives", ",".join(objectives))

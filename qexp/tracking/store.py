@@ -20,6 +20,7 @@ import mlflow
 
 from qexp.config import TrackingConfig
 from qexp.errors import TrackingError
+from qexp.eval.metrics import check as check_metrics
 from qexp.provenance import REPO_ROOT
 from qexp.tracking.naming import (
     EXPERIMENT_DESCRIPTION,
@@ -294,12 +295,14 @@ class Tracker:
 
     @staticmethod
     def metrics(values: Dict[str, float]) -> None:
+        check_metrics(values)
         now = int(time.time() * 1000)  # taken once: a write tried again sends the same points
         _writer().write("metrics", {"metrics": [[k, float(v), now, 0] for k, v in values.items() if v is not None]})
 
     @staticmethod
     def metric_history(curves: Dict[str, list]) -> None:
         """Metrics with steps ({name: [(step, value), ...]}, e.g. QAT's loss curves): the UI plots them by step."""
+        check_metrics(curves)
         now = int(time.time() * 1000)
         _writer().write("metrics", {"metrics": [[name, float(value), now, int(step)] for name, points in curves.items()
                                                 for step, value in points]})

@@ -24,6 +24,7 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from qexp.eval.metrics import check as check_metrics
 from qexp.tracking.naming import NOTE_TAG, sweep_description
 from qexp.tracking.redact import redact, redact_text
 
@@ -217,6 +218,7 @@ class SweepCallback(Callback):
             patiently(info["tracking_uri"], config.tracking.outage_s, lambda: write(parent, *args),
                       who="the sweep's summary")
 
+        check_metrics([f"jobs_{status}" for status in counts] + ["jobs_total", "time_sweep_s"])
         for status, count in counts.items():
             send(client.log_metric, f"jobs_{status}", count)
         send(client.log_metric, "jobs_total", len(jobs))

@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from qexp.cache import stable_hash
 from qexp.config import NO_QUANT
 from qexp.errors import ConfigError
+from qexp.registry import Registry
 
 if TYPE_CHECKING:
     from qexp.cache import Cache
@@ -180,12 +181,11 @@ def algorithm_label(transforms: List[ModelTransform]) -> str:
     return ",".join(t.label() for t in transforms)
 
 
-TRANSFORMS: Dict[str, Type[ModelTransform]] = {}
+TRANSFORMS: Registry[Type[ModelTransform]] = Registry("algorithm")
 
 
 def register_transform(cls: Type[ModelTransform]) -> Type[ModelTransform]:
-    TRANSFORMS[cls.name] = cls
-    return cls
+    return TRANSFORMS.add(cls.name, cls)
 
 
 def build_transforms(algorithm_cfg) -> List[ModelTransform]:
