@@ -182,7 +182,6 @@ def pytest_xdist_make_scheduler(config, log):
     return UnitScheduling(config, log)
 
 
-
 # QEXP_BUILD_TRACE=<file>: each cache build or hit of this process's tests as a JSON line (test, kind, key, hit,
 # seconds), to find the tests that build the same entry (docs/testing-and-benchmarks.md); off by default.
 if os.environ.get("QEXP_BUILD_TRACE"):

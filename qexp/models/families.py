@@ -46,6 +46,9 @@ class Family:
     hf_rope_layout: bool = False
     features: FrozenSet[str] = frozenset()  # names from FEATURES: what the layers need beyond a plain Llama decoder
     gguf_architectures: Tuple[str, ...] = ()  # GGUF `general.architecture` values of this family's checkpoints
+    # The tiny random test model of the family (model=tiny model.tiny.family=<name>, qexp/models/tiny.py):
+    # (TinyModelSpec, the HF config fields every family shares) -> (transformers model class, its config)
+    tiny: Optional[Callable[[object, dict], tuple]] = None
 
 
 FAMILIES: Registry[Family] = Registry("model family")
@@ -145,6 +148,13 @@ def llama_state_dict(sd: StateDict, params: dict) -> StateDict:
     return {k: v.float().contiguous() for k, v in out.items()}
 
 
+def tiny_llama(spec, common: dict) -> tuple:
+    import transformers
+
+    config = transformers.LlamaConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM, config
+
+
 LLAMA = register_family(Family("llama", ("LlamaForCausalLM",), llama_params, llama_state_dict,
-                               gguf_architectures=("llama",)))
+                               gguf_architectures=("llama",), tiny=tiny_llama))
 

@@ -118,8 +118,26 @@ def gemma3_state_dict(sd: StateDict, params: dict) -> StateDict:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def tiny_gemma3(spec, common: dict) -> tuple:
+    """As Gemma-3-270m (global RoPE theta 1e6, local 1e4, eps 1e-6, tied, tanh GELU), with every layer but the last a
+    sliding-window one and a window of 32 tokens, so that evaluation windows longer than 32 exercise the window
+    mask."""
+    import transformers
+
+    head_dim = spec.head_dim or spec.dim // spec.n_heads
+    config = transformers.Gemma3TextConfig(
+        **dict(common, bos_token_id=1, eos_token_id=2, pad_token_id=0), head_dim=head_dim,
+        query_pre_attn_scalar=head_dim, rms_norm_eps=1e-6, tie_word_embeddings=True, sliding_window=32,
+        layer_types=["sliding_attention"] * (spec.n_layers - 1) + ["full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None, attn_logit_softcapping=None,
+    )
+    return transformers.Gemma3ForCausalLM, config
+
+
 GEMMA3 = register_family(Family(
     "gemma3", ("Gemma3ForCausalLM",), gemma3_params, gemma3_state_dict, hf_rope_layout=True,
     features=frozenset({"qk_norm", "sliding_window", "post_norms", "gelu_mlp", "scaled_embedding", "unit_offset_norm"}),
-    gguf_architectures=("gemma3",),
+    gguf_architectures=("gemma3",), tiny=tiny_gemma3,
 ))

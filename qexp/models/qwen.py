@@ -9,7 +9,7 @@ the mapping of `qwen_2_5_hf_to_meta` for Qwen2 (its function needs torchtune). R
 
 from __future__ import annotations
 
-from qexp.errors import InputError
+from qexp.errors import ConfigError, InputError
 from qexp.models.families import Family, StateDict, llama_params, register_family
 
 
@@ -87,7 +87,28 @@ def _converted(family: str, convert) -> StateDict:
                          f"the folder's weights are not a plain {family} checkpoint") from exc
 
 
+def _tiny_qwen(spec, common: dict) -> dict:
+    # As the released Qwen2.5-0.5B / Qwen3-0.6B: eps 1e-6, theta 1e6, tied embeddings, no sliding window.
+    return dict(common, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, use_sliding_window=False)
+
+
+def tiny_qwen2(spec, common: dict) -> tuple:
+    import transformers
+
+    if spec.head_dim and spec.head_dim != spec.dim // spec.n_heads:
+        raise ConfigError("a tiny qwen2 has head_dim = dim // n_heads (Qwen2 has no head_dim setting)")
+    return transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**_tiny_qwen(spec, common))
+
+
+def tiny_qwen3(spec, common: dict) -> tuple:
+    import transformers
+
+    head_dim = spec.head_dim or spec.dim // spec.n_heads
+    config = transformers.Qwen3Config(**_tiny_qwen(spec, common), head_dim=head_dim, attention_bias=False)
+    return transformers.Qwen3ForCausalLM, config
+
+
 QWEN2 = register_family(Family("qwen2", ("Qwen2ForCausalLM",), qwen2_params, qwen2_state_dict, hf_rope_layout=True,
-                               features=frozenset({"qkv_bias"}), gguf_architectures=("qwen2",)))
+                               features=frozenset({"qkv_bias"}), gguf_architectures=("qwen2",), tiny=tiny_qwen2))
 QWEN3 = register_family(Family("qwen3", ("Qwen3ForCausalLM",), qwen3_params, qwen3_state_dict, hf_rope_layout=True,
-                               features=frozenset({"qk_norm"}), gguf_architectures=("qwen3",)))
+                               features=frozenset({"qk_norm"}), gguf_architectures=("qwen3",), tiny=tiny_qwen3))

@@ -34,8 +34,6 @@ def tiny_key(spec: TinyModelSpec) -> dict:
 def _hf_model_class(spec: TinyModelSpec):
     """The transformers model class and config of the tiny model's family (same shape fields; the family's own
     switches)."""
-    import transformers
-
     if spec.config:
         return _released_model_class(spec)
     common = dict(
@@ -49,32 +47,13 @@ def _hf_model_class(spec: TinyModelSpec):
         bos_token_id=1,
         eos_token_id=2,
     )
-    if spec.family == "llama":
-        config = transformers.LlamaConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
-        return transformers.LlamaForCausalLM, config
-    head_dim = spec.head_dim or spec.dim // spec.n_heads
-    # As the released Qwen2.5-0.5B / Qwen3-0.6B: eps 1e-6, theta 1e6, tied embeddings, no sliding window.
-    qwen = dict(common, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, use_sliding_window=False)
-    if spec.family == "qwen2":
-        if head_dim != spec.dim // spec.n_heads:
-            raise ConfigError("a tiny qwen2 has head_dim = dim // n_heads (Qwen2 has no head_dim setting)")
-        return transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**qwen)
-    if spec.family == "qwen3":
-        return transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**qwen, head_dim=head_dim, attention_bias=False)
-    if spec.family == "gemma3":
-        # As Gemma-3-270m (global RoPE theta 1e6, local 1e4, eps 1e-6, tied, tanh GELU), with every layer but the
-        # last a sliding-window one and a window of 32 tokens, so that evaluation windows longer than 32 exercise
-        # the window mask.
-        config = transformers.Gemma3TextConfig(
-            **dict(common, bos_token_id=1, eos_token_id=2, pad_token_id=0), head_dim=head_dim,
-            query_pre_attn_scalar=head_dim, rms_norm_eps=1e-6, tie_word_embeddings=True, sliding_window=32,
-            layer_types=["sliding_attention"] * (spec.n_layers - 1) + ["full_attention"],
-            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
-            hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None, attn_logit_softcapping=None,
-        )
-        return transformers.Gemma3ForCausalLM, config
-    raise ConfigError(f"model.tiny.family={spec.family!r}: choose llama, qwen2, qwen3 or gemma3")
+    from qexp.models.families import FAMILIES
+
+    family = FAMILIES.get(spec.family)
+    if family is None or family.tiny is None:
+        known = ", ".join(sorted(name for name, f in FAMILIES.items() if f.tiny))
+        raise ConfigError(f"model.tiny.family={spec.family!r}: no such family with a tiny model", f"choose {known}")
+    return family.tiny(spec, common)
 
 
 def released_config(name: str) -> dict:
@@ -125,7 +104,10 @@ def tiny_hf_folder(spec: TinyModelSpec, cache: Cache) -> str:
     text."""
 
     def build(tmp: Path) -> dict:
+        from qexp.models.families import FAMILIES
+
         model_class, config = _hf_model_class(spec)  # before the tokenizer: a bad family fails at once
+        features = FAMILIES[spec.family].features
         _train_tiny_tokenizer(spec.vocab_size, tmp)
         torch.manual_seed(spec.seed)
         model = model_class(config)
@@ -137,9 +119,9 @@ def tiny_hf_folder(spec: TinyModelSpec, cache: Cache) -> str:
                 if p.dim() == 2:
                     if not spec.config:
                         p.normal_(0.0, 0.08)
-                elif spec.family == "gemma3" and "norm" in name:
+                elif "unit_offset_norm" in features and "norm" in name:
                     p.normal_(0.0, 0.1)  # Gemma's gains are (1 + w), zero at init: random, as the q/k norms below
-                elif spec.family != "llama" and name.endswith(("_proj.bias", "_norm.weight")):
+                elif name.endswith(("_proj.bias", "_norm.weight")):
                     # q/k/v biases (zero at init) and q/k norm gains (one at init): random, so the tests see
                     # whether the static graph applies them
                     p.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
