@@ -192,3 +192,21 @@ def test_labels_name_recipes_of_one_scheme_and_repeat_nothing():
     labels, shared = plots._labels(data)
     assert list(labels) == ["16a8w", "16a4w_block · recipe_llama3_2_1b", "16a4w_block · mp_b4_50"]
     assert shared == "minmax"
+
+
+def test_estimated_speeds_carry_their_band_as_bars(figures):
+    """Each estimated point's 10-90% band is drawn (and said in the legend and caption); a point without one has
+    no bar."""
+    data = _data([("16a4w", "minmax", "pytorch", 137.8, 30.0), ("16a8w", "minmax", "pytorch", 190.9, 25.5),
+                  ("16a4w_block", "minmax", "pytorch", 140.0, 28.0)])
+    data["decode_tok_s"] = [250.0, 180.0, 240.0]
+    data["decode_tok_s_low"], data["decode_tok_s_high"] = [230.0, 166.0, np.nan], [272.0, 196.0, np.nan]
+    data["speed_source"] = ["estimate SM8650", "estimate SM8650", "estimate SM8650"]
+    fig = plots.speed_figure(data)
+    figures.append(fig)
+    bars = [c for c in fig.axes[0].collections if c.__class__.__name__ == "LineCollection"]
+    segments = [seg for c in bars for seg in c.get_segments()]
+    assert sorted((round(s[0][0]), round(s[1][0])) for s in segments) == [(166, 196), (230, 272)]
+    assert "estimate's 10-90% band" in _legend(fig)
+    assert "10-90% band" in fig.axes[0].texts[-1].get_text() or any("10-90% band" in t.get_text()
+                                                                     for t in fig.axes[0].texts)

@@ -127,6 +127,18 @@ def _rgb(colour: str) -> Tuple[float, float, float]:
     return tuple(int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5))
 
 
+def _draw_bands(ax, points: pd.DataFrame) -> None:
+    """Each estimated point's interval on x (the speed model's 10-90% band of held-out errors): two configurations
+    whose bars overlap are not told apart by the estimate."""
+    if "x_low" not in points:
+        return
+    shown = points[~points["collapsed"] & points["x_low"].notna() & points["x_high"].notna()]
+    if len(shown):
+        ax.errorbar(shown["x"], shown["y"], xerr=[shown["x"] - shown["x_low"], shown["x_high"] - shown["x"]],
+                    fmt="none", ecolor="0.6", elinewidth=0.9, capsize=2.5, zorder=1,
+                    label="estimate's 10-90% band")
+
+
 def draw_figure(points: pd.DataFrame, shared: str, larger_x_better: bool, xlabel: str, title: str, caption: str):
     """The scatter, fronts, collapsed notes, legend beside the axes and caption under them."""
     import matplotlib.pyplot as plt
@@ -141,6 +153,7 @@ def draw_figure(points: pd.DataFrame, shared: str, larger_x_better: bool, xlabel
     ax.scatter(points["x"], np.full(len(points), kept.min()), alpha=0)  # x limits from every point, collapsed too
     ax.set_xlim(*ax.get_xlim())  # fixed before the notes pick their side
     members = _front_members(points, larger_x_better)
+    _draw_bands(ax, points)
     _draw_points(ax, points, members)
     _draw_fronts(ax, points, members)
     _keep_notes_inside(ax)

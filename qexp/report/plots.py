@@ -89,6 +89,9 @@ def _points(data: pd.DataFrame, x_name: str, group: str = "target") -> Tuple[pd.
     points = pd.DataFrame({"x": shown[x_name].astype(float), "y": ppl[rows].astype(float), "label": labels,
                            "target": shown[group if group in shown else "target"] if "target" in shown else "?"})
     points["collapsed"] = collapsed(points["y"])
+    if x_name == "decode_tok_s" and {"decode_tok_s_low", "decode_tok_s_high"} <= set(shown):
+        points["x_low"] = shown["decode_tok_s_low"].astype(float).values  # the estimate's band, where it has one
+        points["x_high"] = shown["decode_tok_s_high"].astype(float).values
     return points.reset_index(drop=True), shared
 
 
@@ -137,6 +140,9 @@ def caption(data: pd.DataFrame, points: pd.DataFrame, speed: bool, bits: bool = 
              if speed else _bits_text(data) if bits else
              " Size: the .pte where deployed, else the weights at their quantized widths.")
     text += " Filled markers (joined by a line): the Pareto front of their target; hollow: dominated."
+    if speed and "x_low" in points and points["x_low"].notna().any():
+        text += (" Grey bars: each estimate's 10-90% band (the speed model's held-out errors on published figures): "
+                 "points whose bars overlap are not told apart by the estimate.")
     if points["collapsed"].any():
         text += (f" ▲ on the top edge: collapsed (perplexity > {COLLAPSE_FACTOR:g}x the median of the plotted "
                  "points), value written out, left out of the y axis and the fronts.")

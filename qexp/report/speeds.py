@@ -32,6 +32,7 @@ def speed_columns(runs: pd.DataFrame, num) -> None:
         soc = soc + " (" + model + ")"
     low, high = num("metrics.decode_tok_s_est_low"), num("metrics.decode_tok_s_est_high")
     runs["decode_tok_s_band"] = [f"[{a:.0f}, {b:.0f}]" if a == a and b == b else "-" for a, b in zip(low, high)]
+    runs["decode_tok_s_low"], runs["decode_tok_s_high"] = low.where(estimated), high.where(estimated)  # plot's bars
     runs["speed_source"] = np.where(estimated, kind + soc, np.where(
         measured, np.where(emulated, "x86_emulator", "measured " + runs["target"].astype(str)), "-"))
 

@@ -181,6 +181,8 @@ def _data(runs: pd.DataFrame, chosen: Dict[str, tuple[str, str]]) -> pd.DataFram
     data["weights_mb"] = pd.to_numeric(column(runs, "metrics.weights_mb"), errors="coerce").values
     data["target"] = runs["target"].values
     data["speed_source"] = runs["speed_source"].values
+    for bound in ("low", "high"):  # the decode estimate's band: the speed plot's bars
+        data[f"decode_tok_s_{bound}"] = runs[f"decode_tok_s_{bound}"].values
     # the plots' labels and caption: which algorithm, and the text and windows every perplexity was measured on
     if "algorithm" not in data:
         data["algorithm"] = runs["algorithm"].values
