@@ -16,6 +16,9 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from qexp.search.config import SearchConfig
+from qexp.sensitivity.config import SensitivityConfig
+
 
 class ModelSource(enum.Enum):
     gguf = "gguf"  # a llama.cpp GGUF file, dequantized to fp32 once and cached
@@ -252,67 +255,6 @@ class TrackingConfig:
     # config hash already has a FINISHED run in the experiment is skipped unless `force`.
     sweep: Optional[str] = None
     force: bool = False
-
-
-SENSITIVITY_VIEWS = ("cost", "gain")
-LOW_WEIGHTS = ("rtn", "algorithms")
-
-
-@dataclass
-class SelectionConfig:
-    # windows of the calibration half of the text, from its second half by characters (the calibration samples come
-    # from its start; checked disjoint): never the test windows the recipes are reported on
-    seq_len: int = 96  # 8 x 96 tokens: SmolLM2's whole analysis fits 15 minutes on 2 cores
-    limit: int = 8
-
-
-@dataclass
-class SensitivityConfig:
-    """`python -m qexp.sensitivity` (conf/sensitivity.yaml): the run's `quant` is the low precision (its scheme,
-    granularity and block size; its overrides are what the analysis decides), `high` the high one (per channel)."""
-
-    high: str = "16a8w"
-    groups: str = ".*"  # regex over group names (layers.3.down, lm_head, embedding)
-    views: List[str] = field(default_factory=lambda: list(SENSITIVITY_VIEWS))
-    selection: SelectionConfig = field(default_factory=SelectionConfig)
-    # perplexity budgets (ppl / ppl_fp - 1 on the selection windows) to synthesize recipes for
-    budgets: List[float] = field(default_factory=lambda: [0.03, 0.05, 0.10])
-    # average-bits budgets (per decoder-linear weight) to synthesize the best recipe within
-    bit_budgets: List[float] = field(default_factory=list)
-    # the low precision's weights: rtn, the (transformed) float weights rounded to nearest; algorithms, the weights
-    # the run's trailing weight-rounding algorithms (weight_clip, gptq) deploy, the rest measured from the model
-    # before them (qexp/sensitivity/program.py)
-    low_weights: str = "rtn"
-    # where the recipes go as conf/quant-style YAMLs (quant=<dir name>/<file> when inside conf/quant); empty: only
-    # the run's artifacts
-    recipe_dir: str = ""
-
-
-SEARCH_OBJECTIVES = {"ppl": "minimize", "bits": "minimize", "decode_tok_s": "maximize"}
-SEARCH_KINDS = ("q", "k", "v", "o", "gate", "up", "down")
-
-
-@dataclass
-class SearchConfig:
-    """`python -m qexp.search -m` (conf/search.yaml): a multi-objective search over mixed-precision recipes by
-    Hydra's Optuna sweeper, on top of a sensitivity analysis (the `sensitivity` section; its table orders each
-    projection's layers)."""
-
-    # The trial's recipe: per projection kind, how many of its layers are at `sensitivity.high` (the most useful
-    # first by the sensitivity table), and the lm head (1: high). The sweeper sets them (qexp/search/space.py).
-    promote: Dict[str, int] = field(default_factory=lambda: {k: 0 for k in (*SEARCH_KINDS, "lm_head")})
-    # what each trial returns to the sweeper, in the order of hydra.sweeper.direction: ppl (ppl / ppl_fp - 1 on the
-    # selection windows), bits (per decoder-linear weight), decode_tok_s (HTP estimate on `soc`, qexp/speed)
-    objectives: List[str] = field(default_factory=lambda: ["ppl", "bits"])
-    # the trials' selection windows (from the calibration half, as the analysis'; more and longer than the analysis'
-    # by default: the first few windows of a text can be easier than the rest, and a recipe is judged on all of them)
-    selection: SelectionConfig = field(default_factory=lambda: SelectionConfig(seq_len=256, limit=32))
-    soc: str = "SM8650"  # the SoC of the decode speed estimate (a metric of every trial; an objective if chosen)
-    # the greedy recipes at these average bits (qexp/sensitivity/synthesis.py) are the first trials
-    seed_bits: List[float] = field(default_factory=lambda: [4.25, 4.5, 5.0])
-    # where the Pareto front's recipes go as conf/quant-style YAMLs at the end of the search; empty: only the
-    # parent run's artifacts
-    recipe_dir: str = ""
 
 
 @dataclass

@@ -20,7 +20,7 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from qexp.config import SEARCH_KINDS
+from qexp.search.config import SEARCH_KINDS
 from qexp.eval.metrics import LOWER, better
 from qexp.eval.metrics import check as check_metrics
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence, Tuple
 
-from qexp.config import SEARCH_KINDS, SEARCH_OBJECTIVES
+from qexp.search.config import SEARCH_KINDS, SEARCH_OBJECTIVES
 from qexp.errors import ConfigError
 
 log = logging.getLogger("qexp")

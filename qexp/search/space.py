@@ -14,7 +14,7 @@ import logging
 import warnings
 from typing import Dict, List
 
-from qexp.config import SEARCH_KINDS
+from qexp.search.config import SEARCH_KINDS
 
 log = logging.getLogger("qexp")
 

@@ -17,7 +17,8 @@ import numpy as np
 import pandas as pd
 
 from qexp.cache import stable_hash
-from qexp.config import NO_QUANT, SENSITIVITY_VIEWS, BlockScaleRounding, Granularity
+from qexp.config import NO_QUANT, BlockScaleRounding, Granularity
+from qexp.sensitivity.config import SENSITIVITY_VIEWS
 from qexp.errors import ConfigError
 from qexp.sensitivity.groups import Group, grid_bits, grids_for, model_groups, select_groups
 from qexp.sensitivity.program import analysed_model, program_weights, start_model, validate_low_weights

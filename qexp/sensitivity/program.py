@@ -47,7 +47,7 @@ def split_algorithms(transforms: list) -> Tuple[list, list]:
 
 def validate_low_weights(cfg, transforms: list) -> None:
     """`transforms`: the run's algorithms (pipeline.validate's RunPlan)."""
-    from qexp.config import LOW_WEIGHTS
+    from qexp.sensitivity.config import LOW_WEIGHTS
 
     mode = cfg.sensitivity.low_weights
     if mode not in LOW_WEIGHTS:
