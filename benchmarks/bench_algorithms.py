@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.common import benchmark_run  # noqa: E402
-from qexp.tracking.store import embedded_store_uri  # noqa: E402
+from qexp.tracking.address import embedded_store_uri  # noqa: E402
 
 TARGET_S = {"rotation": 30.0, "awq": 180.0, "gptq": 180.0}
 

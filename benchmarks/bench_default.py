@@ -35,7 +35,7 @@ from mlflow.tracking import MlflowClient
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.common import benchmark_run, machine_used_mib  # noqa: E402
-from qexp.tracking.store import embedded_store_uri  # noqa: E402
+from qexp.tracking.address import embedded_store_uri  # noqa: E402
 
 TARGETS = {"cold_s": 8 * 60.0, "warm_s": 2 * 60.0, "peak_mem_mb": 6 * 1024.0}
 RESULTS = ("ppl_fp", "ppl_qdq", "ppl_deployed")

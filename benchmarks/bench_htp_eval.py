@@ -38,7 +38,7 @@ def main() -> None:
     from qexp.backends.htp.runner import HtpRunner
     from qexp.pipeline import prepare
     from qexp.provenance import library_versions
-    from qexp.tracking.store import resolve_uri
+    from qexp.tracking.address import resolve_uri
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+experiment=16a8w_wikitext", "backend=htp",

@@ -173,7 +173,7 @@ def main() -> None:
     print(f"\nratios qexp / llama.cpp: decode {ratios['decode_ratio']:.3f} (goal >= 1.0), prefill "
           f"{ratios['prefill_ratio']:.3f}, perplexity {ratios['ppl_ratio']:.3f}; same greedy tokens: {same_tokens}")
 
-    from qexp.tracking.store import embedded_store_uri
+    from qexp.tracking.address import embedded_store_uri
 
     store = os.environ.get("MLFLOW_TRACKING_URI") or embedded_store_uri()
     with benchmark_run(store, f"bench_llama_cpp-{args.qmode}-vs-{args.llama_cpp_type}", "bench_llama_cpp", {

@@ -29,7 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.common import benchmark_run  # noqa: E402
-from qexp.tracking.store import embedded_store_uri  # noqa: E402
+from qexp.tracking.address import embedded_store_uri  # noqa: E402
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.common import benchmark_run  # noqa: E402
-from qexp.tracking.store import embedded_store_uri  # noqa: E402
+from qexp.tracking.address import embedded_store_uri  # noqa: E402
 
 DEFAULT_ARGS = ["quant=16a4w_block", "quant.block_size=32"]
 TARGET_COLD_S = 15 * 60.0

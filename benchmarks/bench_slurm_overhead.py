@@ -95,7 +95,7 @@ def main() -> None:
     finally:
         subprocess.run(["bash", str(script), "stop"], env=env, capture_output=True)
         shutil.rmtree(folder, ignore_errors=True)
-    from qexp.tracking.store import embedded_store_uri
+    from qexp.tracking.address import embedded_store_uri
 
     with benchmark_run(args.store or embedded_store_uri(), "slurm_overhead", "slurm_overhead", {"jobs": args.jobs}):
         import mlflow

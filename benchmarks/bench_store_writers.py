@@ -192,7 +192,7 @@ def main() -> None:
         for n, row in wide.iterrows():
             print(f"[bench] {n} writers: PostgreSQL server / sqlite file, runs written per second: "
                   f"{row['postgresql'] / row['sqlite']:.2f}x")
-    from qexp.tracking.store import embedded_store_uri
+    from qexp.tracking.address import embedded_store_uri
 
     with benchmark_run(args.store or embedded_store_uri(), "store_writers", "store_writers",
                        {"stores": ",".join(stores)}):

@@ -24,7 +24,7 @@ import pandas as pd
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.common import benchmark_run, run_qexp  # noqa: E402
-from qexp.tracking.store import embedded_store_uri  # noqa: E402
+from qexp.tracking.address import embedded_store_uri  # noqa: E402
 
 TARGET_RATIO = 0.6
 

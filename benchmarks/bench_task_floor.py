@@ -71,7 +71,7 @@ def main() -> None:
     from qexp.tasks.cli_model import phase_program
     from qexp.tasks.lm import QexpLM
     from qexp.tasks.packing import blocks_of, pack
-    from qexp.tracking.store import embedded_store_uri
+    from qexp.tracking.address import embedded_store_uri
 
     argv = sys.argv[1:]
     overrides = ["backend=none", *(argv[argv.index("--") + 1:] if "--" in argv else [])]

@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.common import benchmark_run, run_qexp  # noqa: E402
-from qexp.tracking.store import embedded_store_uri  # noqa: E402
+from qexp.tracking.address import embedded_store_uri  # noqa: E402
 
 TASKS = "eval.tasks=[qexp_lastword_wikitext,qexp_choice_wikitext]"
 TARGET_ADDED_S = 5 * 60.0

@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra qexp overrides (the baseline is for none)")
     args = parser.parse_args()
 
-    from qexp.tracking.store import resolve_uri
+    from qexp.tracking.address import resolve_uri
     from qexp.config import TrackingConfig
 
     store = resolve_uri(TrackingConfig())

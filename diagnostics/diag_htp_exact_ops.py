@@ -181,7 +181,7 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
     import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
-    from qexp.tracking.store import resolve_uri
+    from qexp.tracking.address import resolve_uri
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+experiment=16a4w_wikitext", "backend=htp", *args.overrides])

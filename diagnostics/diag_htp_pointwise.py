@@ -181,7 +181,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from qexp.quant.htp_arithmetic import GELU_PHI_TABLE, gelu_phi_table
-    from qexp.tracking.store import resolve_uri
+    from qexp.tracking.address import resolve_uri
 
     cfg, soc = emulator_config(args.overrides)
     if args.write_gelu_table:

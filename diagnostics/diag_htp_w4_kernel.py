@@ -45,7 +45,7 @@ def main() -> None:
     from qexp.pipeline import prepare
     from qexp.provenance import library_versions
     from qexp.quant.calibrate import OBSERVERS
-    from qexp.tracking.store import resolve_uri
+    from qexp.tracking.address import resolve_uri
     from qexp.transforms import ModelTransform, register_transform
     from qexp.upstream.private import tree_leaves
 

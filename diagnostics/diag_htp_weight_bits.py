@@ -108,7 +108,7 @@ def main() -> None:
     from qexp.cache import Cache
     from qexp.models.sources import load_model
     from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
-    from qexp.tracking.store import resolve_uri
+    from qexp.tracking.address import resolve_uri
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+experiment=16a4w_wikitext", *args.overrides])

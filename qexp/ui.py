@@ -51,7 +51,7 @@ def prepare(uri: str, only: Optional[str] = None) -> List[Tuple[object, int]]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from qexp.config import TrackingConfig
     from qexp.tracking.redact import redact_text
-    from qexp.tracking.store import resolve_uri, sqlite_file
+    from qexp.tracking.address import resolve_uri, sqlite_file
     from qexp.tracking.ui_view import landing_url
 
     parser = argparse.ArgumentParser(prog="python -m qexp.ui", description=__doc__.split("\n\n")[0])

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 
 from qexp.report.base import ReportError
 from qexp.report.query import default_tracking_uri
-from qexp.tracking.store import sqlite_file
+from qexp.tracking.address import sqlite_file
 
 MIN_PREFIX = 6  # hex characters of a run id: 16.7 million values, ambiguous only in huge stores (then: an error)
 

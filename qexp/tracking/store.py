@@ -7,14 +7,12 @@ starts. A run that raises ends FAILED with the error as an artifact (error.txt) 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import os
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Optional
 
 import mlflow
 
@@ -22,6 +20,7 @@ from qexp.config import TrackingConfig
 from qexp.errors import TrackingError
 from qexp.eval.metrics import check as check_metrics
 from qexp.provenance import REPO_ROOT
+from qexp.tracking.address import embedded_store_uri, resolve_uri, sqlite_initialised_once
 from qexp.tracking.naming import (
     EXPERIMENT_DESCRIPTION,
     EXPERIMENT_KIND,
@@ -36,41 +35,6 @@ from qexp.tracking.ui_view import VIEW_TAG, view_json
 log = logging.getLogger("qexp")
 
 DIGEST_CHARS = 16  # of a dataset's sha256 in MLflow (its column holds 36 characters)
-
-
-def embedded_store_uri(root: Path = REPO_ROOT) -> str:
-    return f"sqlite:///{root / 'mlruns.db'}"
-
-
-def sqlite_file(uri: str) -> Optional[str]:
-    """The file of a `sqlite:///` store URI, None for any other store."""
-    return uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
-
-
-@contextlib.contextmanager
-def _sqlite_initialised_once(uri: str) -> Iterator[None]:
-    """Around the first access to a sqlite store: create its file readable by its owner only (MLflow would make it
-    world-readable), and hold a file lock, because MLflow creates and migrates the schema on first access and two
-    processes doing so at once fail with "duplicate column name" (measured: two sweeps started together)."""
-    if sqlite_file(uri) is None:
-        yield
-        return
-    path = Path(sqlite_file(uri))
-    if not path.parent.is_dir():
-        yield
-        return
-    with open(path.with_name(path.name + ".qexp-init.lock"), "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            if not path.exists():
-                os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def resolve_uri(cfg: TrackingConfig) -> str:
-    return cfg.uri or os.environ.get("MLFLOW_TRACKING_URI") or embedded_store_uri()
 
 
 _RECONCILED: set = set()  # (store, experiment) pairs this process has reconciled
@@ -136,7 +100,7 @@ class Tracker:
         if self.uri.startswith(("http://", "https://")):
             self._check_server()
         try:
-            with _sqlite_initialised_once(self.uri):
+            with sqlite_initialised_once(self.uri):
                 experiment_id = self._experiment_id()
         except Exception as exc:  # noqa: BLE001 - any store failure is the user's store, reported in one line
             raise_if_refused(self.uri, exc, f"read experiment {self.cfg.experiment!r}")
