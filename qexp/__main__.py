@@ -27,6 +27,22 @@ mask_log_records()  # before Hydra logs anything: its launcher prints each job's
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def _failure_line(exc: Exception) -> str:
+    """The one line a failed run prints."""
+    from qexp.tracking.redact import redact_text
+
+    if isinstance(exc, QexpError):  # no traceback: the error is the user's input or environment
+        return redact_text(f"qexp: error: {exc}")
+    # a bug or an upstream failure
+    first_line = redact_text(str(exc).splitlines()[0]) if str(exc) else ""
+    message = (f"qexp: failed: {type(exc).__name__}: {first_line} (traceback: error.txt of the MLflow run, "
+               "or rerun with QEXP_TRACEBACK=1)")
+    if "database is locked" in str(exc):  # measured: the sqlite store loses writers beyond ~32 at once
+        message += ("; the embedded sqlite store has too many parallel writers: lower "
+                    "hydra.launcher.n_jobs or log to a tracking server (mlflow server)")
+    return message
+
+
 def main(cfg: DictConfig) -> float | None:
     from qexp.pipeline import run_experiment
     from qexp.tracking.redact import redact_hydra_outputs, redact_text
@@ -59,18 +75,9 @@ def main(cfg: DictConfig) -> float | None:
             sys.exit(143)
         return None  # the job's end is recorded: the sweep's summary counts it failed
     except Exception as exc:  # noqa: BLE001 - reported in one line; details in the MLflow run
-        if isinstance(exc, QexpError):
-            # One readable line, no traceback: the error is the user's input or environment.
-            message = redact_text(f"qexp: error: {exc}")
-        else:  # a bug or an upstream failure
-            if os.environ.get("QEXP_TRACEBACK"):
-                raise
-            first_line = redact_text(str(exc).splitlines()[0]) if str(exc) else ""
-            message = (f"qexp: failed: {type(exc).__name__}: {first_line} (traceback: error.txt of the MLflow run, "
-                       "or rerun with QEXP_TRACEBACK=1)")
-            if "database is locked" in str(exc):  # measured: the sqlite store loses writers beyond ~32 at once
-                message += ("; the embedded sqlite store has too many parallel writers: lower "
-                            "hydra.launcher.n_jobs or log to a tracking server (mlflow server)")
+        if not isinstance(exc, QexpError) and os.environ.get("QEXP_TRACEBACK"):
+            raise
+        message = _failure_line(exc)
         if job is not None:
             # In a sweep a failed job must not stop the others: record it and return; the sweep's summary
             # reports it and sets the exit code.

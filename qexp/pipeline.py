@@ -13,22 +13,19 @@ stages in one MLflow run; `prepare` runs them up to a stage without tracking (be
 from __future__ import annotations
 
 import logging
-import tempfile
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
-from qexp.backends import Backend, QdqPhase, get_backend
+from qexp.backends import get_backend
 from qexp.cache import Cache, check_cache_dir, stable_hash
 from qexp.config import NO_QUANT, QDQ_ONLY_SCHEMES
 from qexp.device import device_tags
 from qexp.errors import ConfigError
 from qexp.provenance import config_hash, environment_tags, pin_cpu_numerics
-from qexp.timing import StageTimer, peak_rss_mb
+from qexp.run_state import ExperimentResult, RunPlan, RunState
+from qexp.timing import peak_rss_mb
 from qexp.tracking.runlog import captured_log
 from qexp.tracking.naming import run_description, run_name
 from qexp.tracking.record import config_yaml, flatten
@@ -40,80 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("qexp")
 
 STAGES = ("load", "text", "calibration", "fp", "transform", "qdq", "tasks", "deploy")
-
-
-@dataclass
-class ExperimentResult:
-    run_id: Optional[str]
-    metrics: Dict[str, float] = field(default_factory=dict)
-    tags: Dict[str, str] = field(default_factory=dict)
-    skipped: bool = False  # a sweep job whose config already had a FINISHED run
-    name: str = ""  # the MLflow run's name and description (what the UI shows first)
-    description: str = ""
-
-
-@dataclass
-class RunPlan:
-    """What checking a config builds and the run then uses: its backend and its algorithms (each built once)."""
-
-    backend: Backend
-    transforms: List[Any] = field(default_factory=list)  # ModelTransforms in config order (qexp/transforms)
-
-
-@dataclass
-class RunState:
-    """Everything the stages of one run produce, in order. Attributes stay None until their stage ran."""
-
-    cfg: DictConfig
-    backend: Backend
-    transforms: List[Any] = field(default_factory=list)  # the run's algorithms, built once by validate()
-    tracked: bool = False  # log params and artifacts to the active MLflow run as they appear
-    cache: Cache = None
-    timer: StageTimer = field(default_factory=StageTimer)
-    metrics: Dict[str, float] = field(default_factory=dict)
-    tags: Dict[str, str] = field(default_factory=dict)
-    per_window: Dict[str, Any] = field(default_factory=dict)
-    model: Any = None  # LoadedModel as loaded (the FP reference)
-    fp_static: Any = None  # its static llama
-    corpus: Any = None
-    windows: Any = None
-    fp: Any = None  # EvalResult of the FP phase
-    calibration: Any = None
-    deploy_model: Any = None  # the model with every transform applied: what QDQ and the backend use
-    static: Any = None  # the static llama of deploy_model
-    qdq: Optional[QdqPhase] = None
-    task_results: List[Any] = field(default_factory=list)  # the CPU phases' TaskResults (the deployed one pairs them)
-
-    device: Any = None  # torch.device of the torch phases (qexp/device.py), resolved from cfg.device
-
-    def __post_init__(self):
-        from qexp.device import run_device
-
-        self.cache = self.cache or Cache(self.cfg.cache_dir, self.cfg.cache.lock_timeout_s)
-        self.device = self.device or run_device(self.cfg)
-
-    def log_params(self, params: Dict[str, Any]) -> None:
-        if self.tracked:
-            Tracker.params(params)
-
-    def log_text(self, content: str, path: str) -> None:
-        if self.tracked:
-            Tracker.text(content, path)
-
-    def log_dataset(self, features, name: str, digest: str, source: str, context: str, **tags: Any) -> None:
-        if self.tracked:
-            Tracker.dataset(features, name, digest, source, context, tags)
-
-    def log_array(self, array: np.ndarray, artifact_path: str) -> None:
-        if self.tracked:
-            with tempfile.TemporaryDirectory() as tmp:
-                local = Path(tmp) / Path(artifact_path).name
-                np.save(local, array)
-                Tracker.file(local, str(Path(artifact_path).parent))
-
-    @property
-    def quantized(self) -> bool:
-        return self.cfg.quant.scheme != NO_QUANT
 
 
 # ---------------------------------------------------------------- checks before a run starts

@@ -160,7 +160,7 @@ def transform(state) -> None:
     preserves the function must leave the float perplexity unchanged: `ppl_fp_transformed` shows it."""
     from qexp.eval.perplexity import cached_evaluation
     from qexp.models.static_llama import StaticLlama
-    from qexp.tracking.store import CurveLog
+    from qexp.tracking.curves import CurveLog
     from qexp.transforms import algorithm_label, model_transforms
 
     transforms = model_transforms(state.transforms)

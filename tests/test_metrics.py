@@ -56,7 +56,7 @@ def test_entries_are_distinct_and_their_headers_fill_in():
 def test_every_metric_the_product_names_is_in_the_catalog():
     """The report's columns, the UI's runs view, the search's objectives and the leaderboard's figures."""
     from qexp.search.config import SEARCH_OBJECTIVES
-    from qexp.report.table import COLUMNS, CSV_METRICS, EXTRA_COLUMNS
+    from qexp.report.columns import COLUMNS, CSV_METRICS, EXTRA_COLUMNS
     from qexp.search.front import COLUMNS as SEARCH_COLUMNS
     from qexp.tracking.ui_view import TABLE_METRICS, view_state
 

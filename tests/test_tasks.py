@@ -298,7 +298,8 @@ def test_lm_evals_command_line_runs_qexp_programs(cache_dir, tmp_path):
 def test_the_report_shows_task_deltas_with_their_intervals():
     import pandas as pd
 
-    from qexp.report.table import formatted, resolve_columns
+    from qexp.report.columns import resolve_columns
+    from qexp.report.table import formatted
 
     chosen = resolve_columns(["task.t.acc_qdq_vs_fp", "task.t.perplexity_qdq_vs_fp"])
     assert chosen["task.t.acc_qdq_vs_fp"] == ("metrics.task.t.acc_qdq_vs_fp", "Δ t.acc_qdq_vs_fp")

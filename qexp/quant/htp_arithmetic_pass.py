@@ -105,6 +105,17 @@ def _weight(module, node):
     return w_q, torch.as_tensor(scale), kind, qmax - qmin <= 15
 
 
+def _erase_unused(graph, nodes) -> None:
+    """The dequantize ops only a replaced layer read, and the weight's constants behind them."""
+    for dead in nodes:
+        if isinstance(dead, torch.fx.Node) and not dead.users:
+            sources = [a for a in dead.all_input_nodes if a.op == "get_attr"]
+            graph.erase_node(dead)
+            for source in sources:
+                if not source.users:
+                    graph.erase_node(source)
+
+
 def model_htp_arithmetic(module: torch.fx.GraphModule, w4_lowering: str = "lpbq",
                          models: tuple = MODELS) -> ModelledCounts:
     """Replace, in place, every 1x1 convolution / linear with a uint16 input and <= 8-bit symmetric weights by HTP's
@@ -154,13 +165,7 @@ def model_htp_arithmetic(module: torch.fx.GraphModule, w4_lowering: str = "lpbq"
         replacement.meta.update(node.meta)
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
-        for dead in (x_arg, w_arg):  # the dequantize ops only this layer read, and the weight's constants
-            if isinstance(dead, torch.fx.Node) and not dead.users:
-                sources = [a for a in dead.all_input_nodes if a.op == "get_attr"]
-                graph.erase_node(dead)
-                for source in sources:
-                    if not source.users:
-                        graph.erase_node(source)
+        _erase_unused(graph, (x_arg, w_arg))
         counts.modelled += 1
     if "matmul_accumulator_floor" in models:
         _model_matmuls(module, counts)

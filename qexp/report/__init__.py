@@ -12,7 +12,8 @@ from qexp.report.compare_runs import RunComparison, compare_runs
 from qexp.report.plot_figure import pareto_front
 from qexp.report.plots import PLOTS, plot
 from qexp.report.query import LEGACY_NAMES, load_runs, with_current_names
-from qexp.report.table import COLUMNS, COMPARABILITY, EXTRA_COLUMNS, build_report, formatted, resolve_columns
+from qexp.report.columns import COLUMNS, EXTRA_COLUMNS, resolve_columns
+from qexp.report.table import COMPARABILITY, build_report, formatted
 
 __all__ = [
     "COLUMNS", "COMPARABILITY", "EXTRA_COLUMNS", "LEGACY_NAMES", "PLOTS", "RESULTS_DIR", "Report", "ReportError",

@@ -27,7 +27,8 @@ from qexp.report.plots import PLOTS, plot
 from qexp.report.query import load_runs
 from qexp.tracking.sweep import ROLE_TAG, SWEEP_TAG
 from qexp.report.base import ReportError
-from qexp.report.table import COLUMNS, EXTRA_COLUMNS, derived_columns, build_report, formatted
+from qexp.report.columns import COLUMNS, EXTRA_COLUMNS
+from qexp.report.table import derived_columns, build_report, formatted
 
 RESULTS_DIR = REPO_ROOT / "results"
 

@@ -7,7 +7,6 @@ from qexp.transforms.base import (
     TransformConfig,
     TransformContext,
     algorithm_label,
-    apply_transforms,
     build_transforms,
     calibration_algorithms,
     check_fitted_disjoint,
@@ -15,6 +14,7 @@ from qexp.transforms.base import (
     register_transform,
     validate_transforms,
 )
+from qexp.transforms.apply import apply_transforms
 
 # the algorithms (importing registers them)
 from qexp.transforms import awq, gptq, qat, rotation, seq_mse, smoothquant, weight_clip  # noqa: E402,F401

@@ -160,20 +160,8 @@ class Qat(GridSearchTransform):
             teacher = StaticLlama.for_model_config(context.reference or model, seq_len, cfg.model)
         for p in teacher.module.parameters():
             p.requires_grad_(False)
-        grids, scales, keys = {}, {}, {}
+        grids, scales, keys = _starting_grids(cfg, model, student)
         shapes = {k: tuple(v.shape) for k, v in model.state_dict.items()}
-        for key in weight_layers(shapes):
-            grid = grid_for(cfg.quant, key)
-            if grid is None or grid.bits >= 16:
-                continue
-            path = static_module_path(key)
-            _, weight = student.static_layout(key, model.state_dict[key])
-            if key in model.weight_ranges:
-                _, ranges = student.static_layout(key, model.weight_ranges[key])
-                scales[path] = ranges / grid.qmax
-            else:
-                scales[path] = grid.scales(weight)
-            grids[path], keys[path] = grid, key
         frozen = [re.compile(p) for p in c.frozen]
         for name, param in student.module.named_parameters():
             param.requires_grad_(not any(p.search(name) for p in frozen))
@@ -240,6 +228,25 @@ def _curves(history) -> dict:
             "qat_lr": [(r["step"], r["lr"]) for r in history.train],
             "qat_val_kd": [(r["step"], r["kd"]) for r in history.validation],
             "qat_val_ce": [(r["step"], r["ce"]) for r in history.validation]}
+
+
+def _starting_grids(cfg, model, student) -> tuple:
+    """Per quantized linear (by its static module path): its weight grid, its starting scales (the ranges an earlier
+    algorithm chose, else the grid's own) and its Meta-layout key."""
+    grids, scales, keys = {}, {}, {}
+    for key in weight_layers({k: tuple(v.shape) for k, v in model.state_dict.items()}):
+        grid = grid_for(cfg.quant, key)
+        if grid is None or grid.bits >= 16:
+            continue
+        path = static_module_path(key)
+        _, weight = student.static_layout(key, model.state_dict[key])
+        if key in model.weight_ranges:
+            _, ranges = student.static_layout(key, model.weight_ranges[key])
+            scales[path] = ranges / grid.qmax
+        else:
+            scales[path] = grid.scales(weight)
+        grids[path], keys[path] = grid, key
+    return grids, scales, keys
 
 
 def _outputs(history, text, settings, n_train: int) -> dict:

@@ -26,7 +26,8 @@ class HtpBackend(Backend):
         return cfg.backend.soc.value
 
     def validate(self, cfg) -> None:
-        from qexp.backends.htp.lower import KV_GRAPH, check_num_sharding, graph_ar_lens
+        from qexp.backends.htp.lower import KV_GRAPH, graph_ar_lens
+        from qexp.backends.htp.sharding import check_num_sharding
         from qexp.models.shapes import linear_shapes
         from qexp.models.static_llama import uses_r3
 

@@ -30,9 +30,9 @@ from qexp.backends.htp import sim_cycles
 from qexp.backends.htp.config import Contexts, ModelMode
 from qexp.backends.htp.graph import check_one_kv_cache_width, io_bits, io_encodings, quantized_graph
 from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
+from qexp.backends.htp.sharding import check_num_sharding, shard_graph
 from qexp.cache import Cache, stable_hash
 from qexp.config import FLOAT_ACTIVATION_SCHEME
-from qexp.errors import ConfigError
 from qexp.models.loaded import LoadedModel
 from qexp.models.static_llama import uses_masked_softmax
 from qexp.quant.calibrate import QuantizedModel
@@ -54,7 +54,6 @@ PREFILL_GRAPH = "prefill_forward"
 PTE_FILE = "model.pte"
 META_FILE = "meta.json"
 _LOWER_CACHE_VERSION = 2  # 2: I/O bit widths from the encodings
-LAYER_PATTERN = r"^layers\.(\d+)"  # the static llama's decoder layers (module names), where shards are cut
 
 
 def graph_ar_lens(backend) -> Dict[str, int]:
@@ -201,27 +200,6 @@ def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, sta
     )
     return {"module": converted, "inputs": static.example_inputs(), "passes": passes, "deps": deps, "spec": spec,
             "meta": meta, "encodings": encodings, "quantize_s": time.perf_counter() - started}
-
-
-def check_num_sharding(num_sharding: int, n_layers) -> None:
-    """backend.num_sharding must be 1 (no sharding) up to the model's decoder layers (None: not known yet)."""
-    if num_sharding < 1 or (n_layers and num_sharding > n_layers):
-        limit = f"1 to the model's {n_layers} layers" if n_layers else "1 or more"
-        raise ConfigError(f"backend.num_sharding={num_sharding}", f"use {limit} (1 = no sharding)")
-
-
-def shard_graph(passes: dict, deps: dict, n_layers: int, shares: int) -> None:
-    """Cut the graph into `shares` QNN contexts at decoder-layer boundaries, as upstream's --num_sharding
-    (TextDecoder.__init__): ExecuTorch's SplitGraph pass puts a `llama.fallback` identity op (run on the CPU) before
-    every shard's first layer, after the QDQ nodes are folded and before the I/O is tagged (the cut edges stay
-    quantized at the I/O bit width)."""
-    from executorch.backends.qualcomm._passes import FoldQDQ, TagQuantIO
-    from executorch.extension.llm.custom_ops.model_sharding import get_split_graph_pass
-
-    split_graph, setting = get_split_graph_pass(n_layers, shares=shares, pattern=LAYER_PATTERN)
-    passes[split_graph] = setting
-    deps[split_graph] = [FoldQDQ]
-    deps[TagQuantIO] = [split_graph]
 
 
 def lower_graphs(graphs: dict, constant_methods=None, generate_etrecord: bool = False):
