@@ -26,7 +26,6 @@ logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 mask_log_records()  # before Hydra logs anything: its launcher prints each job's overrides, passwords included
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _failure_line(exc: Exception) -> str:
     """The one line a failed run prints."""
     from qexp.tracking.redact import redact_text
@@ -43,6 +42,7 @@ def _failure_line(exc: Exception) -> str:
     return message
 
 
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     from qexp.pipeline import run_experiment
     from qexp.tracking.redact import redact_hydra_outputs, redact_text
