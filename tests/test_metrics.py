@@ -72,3 +72,12 @@ def test_every_metric_the_product_names_is_in_the_catalog():
 def test_the_docs_page_is_the_catalog():
     page = (ROOT / "docs" / "metrics.md").read_text()
     assert metrics.markdown() in page, "regenerate the table: python -m qexp.eval.metrics (docs/metrics.md)"
+
+
+def test_task_metrics_find_their_own_family():
+    """A task's paired difference, its interval and its plain score each match their own entry (first match wins)."""
+    assert lookup("task.my-task.acc_qdq_vs_fp").name == "task.{task}.{score}_{test}_vs_{ref}"
+    assert lookup("task.my-task.acc_norm_deployed_vs_fp_ci_low").name.endswith("_ci_low")
+    assert lookup("task.arc_easy.acc_norm_qdq").name == "task.{task}.{score}_{phase}"
+    assert header("task.arc_easy.acc_norm_qdq") == "arc_easy acc_norm QDQ"
+    assert lookup("recipe_1500_bits").name == "recipe_{budget}_bits"

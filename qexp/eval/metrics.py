@@ -34,9 +34,9 @@ PLACEHOLDERS: Dict[str, str] = {
     "ddr": "read_total_bytes|write_total_bytes|fill_bytes|spill_bytes",  # QNN's DDR bandwidth summary
     "sim": r"[a-z_]+",  # QNN's simulated cycles of an SA8797 graph
     "part": "decoder|embedding|lm_head",
-    "task": r"[a-z0-9_]+",  # an lm-eval task
-    "score": r"[a-z0-9_]+",  # an lm-eval metric of a task (acc, acc_norm, perplexity, ...)
-    "budget": r"b\d+_\d+|\d{3}",  # a sensitivity recipe's budget (qexp/sensitivity/run.py: budget_label)
+    "task": r"[^.]+",  # an lm-eval task (a user's task may be named anything without a dot)
+    "score": r"[^.]+?",  # an lm-eval metric of a task (acc, acc_norm, perplexity, ...)
+    "budget": r"b\d+_\d+|\d{3,}",  # a sensitivity recipe's budget (qexp/sensitivity/run.py: budget_label)
     "view": "cost|gain",
     "op": "norms|softmaxes|sigmoids|gelus",
     "proxy": "sqnr|fisher",
@@ -95,12 +95,12 @@ CATALOG: List[Metric] = [
     _m("gen_first_divergence_{test}", "first divergent token ({test})", HIGHER, "tokens"),
     _m("gen_token_agreement_{test}", "generated tokens agreeing with FP ({test})", HIGHER, "share"),
     _m("task.{task}.items", "{task} items", NEITHER, "items"),
-    _m("task.{task}.{score}_{phase}", "{task} {score} {phase}", NEITHER,
-       doc="an lm-eval metric; its direction is the task's (higher_is_better in lm-eval's task config)"),
-    _m("task.{task}.{score}_{test}_vs_{ref}", "{task} {score} {test} vs {ref}", NEITHER,
-       doc="paired difference over the task's items"),
     _m("task.{task}.{score}_{test}_vs_{ref}_ci_low", "{task} {score} {test} vs {ref} 95% CI low"),
     _m("task.{task}.{score}_{test}_vs_{ref}_ci_high", "{task} {score} {test} vs {ref} 95% CI high"),
+    _m("task.{task}.{score}_{test}_vs_{ref}", "{task} {score} {test} vs {ref}", NEITHER,
+       doc="paired difference over the task's items"),
+    _m("task.{task}.{score}_{phase}", "{task} {score} {phase}", NEITHER,
+       doc="an lm-eval metric; its direction is the task's (higher_is_better in lm-eval's task config)"),
     # ---- the program's size
     _m("model_params", "parameters", NEITHER, "parameters"),
     _m("weights_mb", "weights MB", LOWER, "MB", doc="the model's weights at the run's scheme (fp32 without one)"),
