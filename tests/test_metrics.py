@@ -81,3 +81,4 @@ def test_task_metrics_find_their_own_family():
     assert lookup("task.arc_easy.acc_norm_qdq").name == "task.{task}.{score}_{phase}"
     assert header("task.arc_easy.acc_norm_qdq") == "arc_easy acc_norm QDQ"
     assert lookup("recipe_1500_bits").name == "recipe_{budget}_bits"
+    assert lookup("kv_update_us_per_token").label == metrics.MEASURED  # the emulator bench's KV updates (runner.py)
