@@ -57,7 +57,7 @@ def test_every_metric_the_product_names_is_in_the_catalog():
     """The report's columns, the UI's runs view, the search's objectives and the leaderboard's figures."""
     from qexp.search.config import SEARCH_OBJECTIVES
     from qexp.report.columns import COLUMNS, CSV_METRICS, EXTRA_COLUMNS
-    from qexp.search.front import COLUMNS as SEARCH_COLUMNS
+    from qexp.search.config import OBJECTIVE_METRICS as SEARCH_COLUMNS
     from qexp.tracking.ui_view import TABLE_METRICS, view_state
 
     named = [source.split(".", 1)[1] for source, _ in {**COLUMNS, **EXTRA_COLUMNS}.values()

@@ -5,9 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List
 
+from qexp.eval.metrics import LOWER, better
 from qexp.sensitivity.config import SelectionConfig
 
-SEARCH_OBJECTIVES = {"ppl": "minimize", "bits": "minimize", "decode_tok_s": "maximize"}
+# each objective -> the trial metric it reads (qexp/search/trial.py); its direction is the metric catalog's
+OBJECTIVE_METRICS = {"ppl": "ppl_vs_fp_selection", "bits": "bits", "decode_tok_s": "decode_tok_s_est"}
+SEARCH_OBJECTIVES = {name: "minimize" if better(metric) == LOWER else "maximize"
+                     for name, metric in OBJECTIVE_METRICS.items()}
 SEARCH_KINDS = ("q", "k", "v", "o", "gate", "up", "down")
 
 

@@ -20,20 +20,18 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from qexp.search.config import SEARCH_KINDS
-from qexp.eval.metrics import LOWER, better
+from qexp.search.config import OBJECTIVE_METRICS, SEARCH_KINDS, SEARCH_OBJECTIVES
 from qexp.eval.metrics import check as check_metrics
 
 log = logging.getLogger("qexp")
 
-COLUMNS = {"ppl": "ppl_vs_fp_selection", "bits": "bits", "decode_tok_s": "decode_tok_s_est"}
 
 
 def pareto_front(trials: pd.DataFrame, objectives: List[str]) -> pd.DataFrame:
     """The trials no other trial dominates (at least as good in every objective, better in one), one per recipe,
     sorted by bits."""
-    signs = {name: 1.0 if better(COLUMNS[name]) == LOWER else -1.0 for name in objectives}  # the catalog's direction
-    values = pd.DataFrame({n: signs[n] * trials[COLUMNS[n]].astype(float) for n in objectives})
+    signs = {name: 1.0 if SEARCH_OBJECTIVES[name] == "minimize" else -1.0 for name in objectives}
+    values = pd.DataFrame({n: signs[n] * trials[OBJECTIVE_METRICS[n]].astype(float) for n in objectives})
     keep = []
     for i, row in values.iterrows():
         dominated = ((values <= row).all(axis=1) & (values < row).any(axis=1)).any()
@@ -52,7 +50,7 @@ def trials_table(client, experiment_id: str, parent_run_id: str, n_seeds: int) -
         m, p, t = run.data.metrics, run.data.params, run.data.tags
         num = int(t.get("qexp.sweep_job", -1))
         rows.append({"trial": num, "seed": 1 <= num <= n_seeds, "run_id": run.info.run_id, "recipe": t.get("recipe"),
-                     **{c: m.get(c, float("nan")) for c in (*COLUMNS.values(), "ppl_vs_fp_selection_ci_low",
+                     **{c: m.get(c, float("nan")) for c in (*OBJECTIVE_METRICS.values(), "ppl_vs_fp_selection_ci_low",
                                                             "ppl_vs_fp_selection_ci_high", "lm_head_bits",
                                                             "weights_decoder_mb", "weights_lm_head_mb",
                                                             "decode_tok_s_est_err", "ppl_selection")},
