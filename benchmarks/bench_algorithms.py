@@ -36,11 +36,11 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
 
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
 
     from qexp.cache import Cache
     from qexp.pipeline import prepare
-    from qexp.timing import StageTimer
+    from qexp.core.timing import StageTimer
     from qexp.transforms import TransformContext, apply_transforms, build_transforms
 
     overrides = args.overrides or ["quant=16a4w_block", "quant.block_size=32", "calibration.sampling=spread"]

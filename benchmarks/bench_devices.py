@@ -65,7 +65,7 @@ def run_on(device: str, overrides: list) -> dict:
 
 
 def host() -> dict:
-    from qexp.provenance import cpu_model, environment_tags
+    from qexp.core.provenance import cpu_model, environment_tags
 
     info = {"cpu": cpu_model(), "torch": torch.__version__, "cuda_build": torch.version.cuda,
             "python": platform.python_version(), "git_commit": environment_tags()["git_commit"]}

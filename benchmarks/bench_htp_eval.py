@@ -33,11 +33,11 @@ def main() -> None:
     import torch
     from hydra import compose, initialize_config_dir
 
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
     from qexp.backends.htp.lower import compile_pte
     from qexp.backends.htp.runner import HtpRunner
     from qexp.pipeline import prepare
-    from qexp.provenance import library_versions
+    from qexp.core.provenance import library_versions
     from qexp.tracking.address import resolve_uri
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -45,7 +45,7 @@ def main() -> None:
                                                         "backend.model_mode=hybrid", *args.overrides])
     # The pipeline's stages through the QDQ phase (cached: reuses an experiment's entries), then the HTP compile.
     state = prepare(cfg, through="qdq")
-    program = compile_pte(state.deploy_model, cfg, state.qdq.program, state.static.r3, state.cache, state.timer,
+    program = compile_pte(state.deploy_model, cfg, state.qdq.program, state.deploy_static.r3, state.cache, state.timer,
                           library_versions())
     runner = HtpRunner(program)
     ids = state.windows.ids[0][: args.tokens]

@@ -31,14 +31,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.common import benchmark_run  # noqa: E402
 
-from qexp.backends.speed import Generation, summarize  # noqa: E402
+from qexp.backends.bench import Generation, summarize  # noqa: E402
 
 
 def compose(overrides):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides)
@@ -113,7 +113,7 @@ def main() -> None:
     from qexp.eval.perplexity import evaluate
     from qexp.models.sources import shipped_smollm2_gguf
     from qexp.pipeline import prepare
-    from qexp.provenance import cpu_model, library_versions
+    from qexp.core.provenance import cpu_model, library_versions
 
     cfg = compose(["backend=xnnpack", "quant=fp32", f"backend.qmode={args.qmode}", f"backend.threads={args.threads}",
                    f"eval.limit={args.eval_limit}"])

@@ -43,7 +43,7 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
 
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
 
     from qexp.models.static_llama import window_logits
     from qexp.pipeline import prepare

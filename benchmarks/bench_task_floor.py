@@ -68,7 +68,7 @@ def main() -> None:
     from benchmarks.bench_task_head import _requests
     from benchmarks.common import benchmark_run
     from qexp.compose import compose
-    from qexp.tasks.cli_model import phase_program
+    from qexp.lm_eval_model import phase_program
     from qexp.tasks.lm import QexpLM
     from qexp.tasks.packing import blocks_of, pack
     from qexp.tracking.address import embedded_store_uri

@@ -159,7 +159,7 @@ def emulator_config(overrides: list):
     QNN SDK libraries in place (diagnostics/diag_htp_norm.py, diag_htp_pointwise.py)."""
     from hydra import compose, initialize_config_dir
 
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
     from qexp import upstream
     from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
     from qexp.cache import Cache

@@ -44,7 +44,7 @@ def fp_vs_transformers(overrides: list[str]) -> tuple[float, float]:
     from hydra import compose, initialize_config_dir
     from transformers import AutoModelForCausalLM
 
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
     from qexp.eval.perplexity import evaluate
     from qexp.pipeline import prepare
 
@@ -66,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from qexp.tracking.address import resolve_uri
-    from qexp.config import TrackingConfig
+    from qexp.core.config import TrackingConfig
 
     store = resolve_uri(TrackingConfig())
     overrides = EXPERIMENT + args.overrides

@@ -56,7 +56,7 @@ def sweep_table() -> str:
 
 
 def stacks_table() -> str:
-    from qexp.config import QuantConfig
+    from qexp.core.config import QuantConfig
     from omegaconf import OmegaConf
 
     from qexp.speed import estimate_config

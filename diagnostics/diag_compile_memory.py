@@ -3,7 +3,7 @@ at a time.
 
 Runs the configured experiment (default: the default experiment, SmolLM2 16a4w hybrid) through the QDQ phase (cached
 stages are cache hits), frees what the deploy stage frees (garbage collection, then glibc's malloc_trim, as
-qexp.timing.release_memory does), then in this one process: builds each deploy graph
+qexp.core.timing.release_memory does), then in this one process: builds each deploy graph
 (export, prepare, observer statistics, convert), lowers each graph on its own (ExecuTorch + QNN, no cache), and
 emits the program. Prints the process's resident memory after each step and the peak within it (sampled every
 50 ms from /proc/self/statm), so the steps' shares of the peak can be read off. Nothing is cached or tracked.
@@ -157,20 +157,20 @@ def main() -> None:
     args = parser.parse_args()
     from hydra import compose, initialize_config_dir
 
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
 
     import torch
 
     from qexp.backends.htp.config import W4Lowering
-    from qexp.backends.htp.lower import _deploy_graph, _lower, graph_ar_lens
+    from qexp.backends.htp.lower import build_and_lower, deploy_graph, graph_ar_lens
     from qexp.pipeline import prepare
-    from qexp.timing import release_memory
+    from qexp.core.timing import release_memory
     from qexp.upstream.private import provenance_without_deep_copies
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["+experiment=16a4w_wikitext", *args.overrides])
     state = step("stages through QDQ (cache hits)", lambda: prepare(cfg, "qdq"))
-    state.fp_static = state.static = None  # what the deploy stage frees before compiling
+    state.fp_static = state.deploy_static = None  # what the deploy stage frees before compiling
     state.qdq.release_programs()
     step("free the FP / QDQ float programs (gc)", gc.collect)
     step("  + malloc_trim (release_memory)", release_memory)
@@ -178,28 +178,28 @@ def main() -> None:
 
     ensure_qnn_sdk(state.cache)  # QNN's libraries on the loader path, as compile_pte does
     stats = torch.load(state.qdq.program.stats_path, weights_only=True)
-    builders = {name: functools.partial(_deploy_graph, state.deploy_model, cfg, name, ar_len, state.qdq.r3, stats,
+    builders = {name: functools.partial(deploy_graph, state.deploy_model, cfg, name, ar_len, state.qdq.r3, stats,
                                         state.timer)
                 for name, ar_len in graph_ar_lens(cfg.backend).items()}
     lpbq = cfg.backend.w4_lowering == W4Lowering.lpbq
     with provenance_without_deep_copies():
         if args.in_turn:  # as compile_pte: each graph built where and when it is lowered
             step("build + lower all graphs in turn (+ to_executorch)",
-                 lambda: _lower(builders, state.timer, lpbq, workers=1))
+                 lambda: build_and_lower(builders, state.timer, lpbq, workers=1))
             return
         if args.parallel:
             points = Points()
             instrument_parallel(points)
             points.mark("before lowering")
             step("build + lower all graphs in workers (+ to_executorch)",
-                 lambda: _lower(builders, state.timer, lpbq, workers=2))
+                 lambda: build_and_lower(builders, state.timer, lpbq, workers=2))
             points.stop()
             return
         for name, build in builders.items():
             graph = step(f"build {name}", build)
             step(f"lower {name} alone (+ to_executorch)",
                  # F821 false positive: the lambda runs (inside step) before `del graph` below
-                 lambda: _lower({name: lambda: graph}, state.timer, lpbq, workers=1))  # noqa: F821
+                 lambda: build_and_lower({name: lambda: graph}, state.timer, lpbq, workers=1))  # noqa: F821
             del graph
             step(f"free {name} (gc)", gc.collect)
             step("  + malloc_trim (release_memory)", release_memory)

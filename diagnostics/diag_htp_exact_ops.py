@@ -68,11 +68,11 @@ def arithmetics() -> dict:
 def attribute(cfg, n_windows: int) -> tuple[dict, dict]:
     """({arithmetic label: agreement with HTP}, facts: model, positions, emulator seconds, what htp_exact modelled)."""
     from diagnostics.diag_htp_ops import first_chunk_inputs
-    from qexp.backends.htp.lower import PREFILL_GRAPH, _deploy_graph, compile_pte, graph_ar_lens
+    from qexp.backends.htp.lower import PREFILL_GRAPH, deploy_graph, compile_pte, graph_ar_lens
     from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
     from qexp.backends.htp.runner import HtpRunner
     from qexp.pipeline import prepare
-    from qexp.provenance import library_versions
+    from qexp.core.provenance import library_versions
     from qexp.quant.fold import with_weights_dequantized
     from qexp.quant.w4_lowering import w4_lowering_of
     from qexp.upstream.private import tree_leaves
@@ -80,9 +80,9 @@ def attribute(cfg, n_windows: int) -> tuple[dict, dict]:
     state = prepare(cfg, through="qdq")
     ensure_qnn_sdk(state.cache)
     stats = torch.load(state.qdq.program.stats_path, weights_only=True)
-    graph = _deploy_graph(state.deploy_model, cfg, PREFILL_GRAPH, graph_ar_lens(cfg.backend)[PREFILL_GRAPH],
-                          state.static.r3, stats, state.timer)
-    deployed = compile_pte(state.deploy_model, cfg, state.qdq.program, state.static.r3, state.cache, state.timer,
+    graph = deploy_graph(state.deploy_model, cfg, PREFILL_GRAPH, graph_ar_lens(cfg.backend)[PREFILL_GRAPH],
+                          state.deploy_static.r3, stats, state.timer)
+    deployed = compile_pte(state.deploy_model, cfg, state.qdq.program, state.deploy_static.r3, state.cache, state.timer,
                            library_versions())
     runner = HtpRunner(deployed)
     windows = [state.windows.ids[w] for w in range(min(n_windows, len(state.windows.ids)))]
@@ -121,13 +121,13 @@ def attribute_perplexity(cfg) -> tuple[dict, dict]:
     from qexp.eval.perplexity import evaluate
     from qexp.models.static_llama import window_logits
     from qexp.pipeline import prepare
-    from qexp.provenance import library_versions
+    from qexp.core.provenance import library_versions
     from qexp.quant.fold import with_weights_dequantized
     from qexp.quant.w4_lowering import w4_lowering_of
 
     state = prepare(cfg, through="qdq")
     ensure_qnn_sdk(state.cache)
-    deployed = compile_pte(state.deploy_model, cfg, state.qdq.program, state.static.r3, state.cache, state.timer,
+    deployed = compile_pte(state.deploy_model, cfg, state.qdq.program, state.deploy_static.r3, state.cache, state.timer,
                            library_versions())
     htp, _, _, hit = score_on_emulator(deployed, HtpRunner(deployed), state.windows, cfg.backend,
                                        state.deploy_model.tokenizer, state.cache)  # as the run's HTP phase scores
@@ -141,7 +141,7 @@ def attribute_perplexity(cfg) -> tuple[dict, dict]:
         program = with_weights_dequantized(state.qdq.program.module, None if models is None else lowering,
                                            htp_exact_models=models)
         # F821 false positive: ruff sees the `del program` below; evaluate() calls the lambda before it
-        qdq = evaluate(lambda ids: window_logits(program, state.static, ids), state.windows, label)  # noqa: F821
+        qdq = evaluate(lambda ids: window_logits(program, state.deploy_static, ids), state.windows, label)  # noqa: F821
         fake = qdq if models is None else fake  # arithmetics() lists the fake-quant program first
         delta = compare(htp, qdq.head(subset), "deployed", "qdq")
         shift = compare(qdq, fake, "qdq", "fake_quant")  # how far this arithmetic moves the QDQ phase, all windows
@@ -180,7 +180,7 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
     from qexp.tracking.address import resolve_uri
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

@@ -22,7 +22,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.common import emulator_config, quantized_on_htp  # noqa: E402
-from qexp.eval.compare import position_sqnrs_db, sqnr_db  # noqa: E402
+from diagnostics.sqnr import position_sqnrs_db  # noqa: E402
+from qexp.eval.compare import sqnr_db  # noqa: E402
 
 
 def on_htp(module: torch.nn.Module, calibration: torch.Tensor, test: torch.Tensor, soc):

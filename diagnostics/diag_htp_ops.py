@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # annotations only: pandas is imported where used (lazily)
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.common import benchmark_run  # noqa: E402
-from qexp.eval.compare import per_position_sqnr_db  # noqa: E402
+from diagnostics.sqnr import per_position_sqnr_db  # noqa: E402
 
 METHOD = "forward"  # the only method name ExecuTorch's Inspector reads (its debug-handle map is keyed by it)
 REFERENCE_GRAPH = f"edge_after_transform/{METHOD}"  # the QDQ edge graph before partitioning (etrecord graph_map)
@@ -62,7 +62,7 @@ OP = re.compile(r"aten\.(\w+)\.")
 
 
 def lower_with_dump(graph: dict, soc: str, w4_as_lpbq: bool):
-    """One deploy graph (lower._deploy_graph's dict) -> (.pte bytes, the ETRecord), lowered as the deployed program
+    """One deploy graph (lower.deploy_graph's dict) -> (.pte bytes, the ETRecord), lowered as the deployed program
     is (lower.lower_graphs, the same 4-bit lowering) but with QNN's intermediate-output dump and one method named
     `forward`."""
     import contextlib
@@ -325,11 +325,11 @@ def diagnose(cfg) -> OpDiagnosis:
     from executorch.devtools import Inspector
 
     from qexp.backends.htp.config import ModelMode, W4Lowering
-    from qexp.backends.htp.lower import PREFILL_GRAPH, _deploy_graph, compile_pte, graph_ar_lens
+    from qexp.backends.htp.lower import PREFILL_GRAPH, deploy_graph, compile_pte, graph_ar_lens
     from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
     from qexp.backends.htp.runner import HtpRunner
     from qexp.pipeline import prepare
-    from qexp.provenance import library_versions
+    from qexp.core.provenance import library_versions
     from qexp.upstream.private import tree_leaves
     from qexp.upstream.private_runtime import (
         inspector_skipping_unmatched_outputs,
@@ -343,8 +343,8 @@ def diagnose(cfg) -> OpDiagnosis:
     ensure_qnn_sdk(state.cache)
     stats = torch.load(state.qdq.program.stats_path, weights_only=True)
     started = time.perf_counter()
-    graph = _deploy_graph(state.deploy_model, cfg, PREFILL_GRAPH, graph_ar_lens(cfg.backend)[PREFILL_GRAPH],
-                          state.static.r3, stats, state.timer)
+    graph = deploy_graph(state.deploy_model, cfg, PREFILL_GRAPH, graph_ar_lens(cfg.backend)[PREFILL_GRAPH],
+                          state.deploy_static.r3, stats, state.timer)
     encodings = graph["encodings"]
     quantized, floats, ar = first_chunk_inputs(state.windows.ids[0], graph["inputs"], encodings,
                                                int(cfg.backend.max_seq_len), graph["meta"].get("get_sliding_window"))
@@ -356,7 +356,7 @@ def diagnose(cfg) -> OpDiagnosis:
     del graph
     # The deployed program on the same tokens: QNN fuses ops it need not dump, so the dumped program can round
     # differently; how far the two programs' logits are apart says how much of the table is the deployed program's.
-    deployed = compile_pte(state.deploy_model, cfg, state.qdq.program, state.static.r3, state.cache, state.timer,
+    deployed = compile_pte(state.deploy_model, cfg, state.qdq.program, state.deploy_static.r3, state.cache, state.timer,
                            library_versions())
     deployed_logits = HtpRunner(deployed).prefill_logits([int(t) for t in state.windows.ids[0][:ar]])
     del state, deployed
@@ -438,7 +438,7 @@ def main() -> None:
     import pandas as pd
     from hydra import compose, initialize_config_dir
 
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
     from qexp.tracking.address import resolve_uri
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

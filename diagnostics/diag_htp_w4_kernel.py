@@ -38,12 +38,12 @@ def on_4bit_grid(state_dict: dict) -> dict:
 def main() -> None:
     from hydra import compose, initialize_config_dir
 
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
     from qexp.backends.htp.graph import quantized_graph
     from qexp.backends.htp.lower import PREFILL_GRAPH, compile_pte
     from qexp.backends.htp.runner import HtpRunner
     from qexp.pipeline import prepare
-    from qexp.provenance import library_versions
+    from qexp.core.provenance import library_versions
     from qexp.quant.calibrate import OBSERVERS
     from qexp.tracking.address import resolve_uri
     from qexp.transforms import ModelTransform, register_transform
@@ -63,7 +63,7 @@ def main() -> None:
         cfg = compose(config_name="config", overrides=["+experiment=16a8w_wikitext", "+algorithm.on_4bit_grid={}",
                                                         *sys.argv[1:]])
     state = prepare(cfg, through="qdq")
-    model, static, qdq, context = state.deploy_model, state.static, state.qdq.program, cfg.export.max_context_len
+    model, static, qdq, context = state.deploy_model, state.deploy_static, state.qdq.program, cfg.export.max_context_len
     program = compile_pte(model, cfg, qdq, static.r3, state.cache, state.timer, library_versions())
     ids = state.windows.ids[0]
     htp = HtpRunner(program).prefill_logits(ids)

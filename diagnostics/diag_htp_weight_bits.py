@@ -71,7 +71,7 @@ def real_inputs(cfg, weight_key: str, batch: int = 32) -> tuple[torch.Tensor, li
     calibration samples: (weight, [batch, in_features] rows of every sample but the last, the last sample's rows)."""
     from qexp.models.static_llama import window_logits
     from qexp.pipeline import prepare
-    from qexp.quant.grid import static_module_path
+    from qexp.models.shapes import static_module_path
 
     state = prepare(cfg, "calibration")
     static = state.fp_static
@@ -104,7 +104,7 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
     from qexp.cache import Cache
     from qexp.models.sources import load_model
     from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk

@@ -28,7 +28,7 @@ def main() -> None:
 
     from qexp.cache import Cache
     from qexp.data.text import load_corpus
-    from qexp.tasks.cli_model import phase_program
+    from qexp.lm_eval_model import phase_program
     from qexp.tasks.lm import QexpLM
     from qexp.tasks.offline import write_task
 

@@ -45,7 +45,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.common import benchmark_run  # noqa: E402
-from qexp.eval.compare import per_position_sqnr_db  # noqa: E402
+from diagnostics.sqnr import per_position_sqnr_db  # noqa: E402
 from qexp.quant.fold import fake_quantize  # noqa: E402
 
 ROUNDINGS = ("round", "gauss", "floor", "ceil")
@@ -290,7 +290,7 @@ def main() -> None:
     import pandas as pd
     from hydra import compose, initialize_config_dir
 
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
     from qexp.tracking.address import resolve_uri
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

@@ -62,7 +62,7 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
 
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
 
     from benchmarks.common import weight_only_evaluation
     from qexp.eval.uncertainty import ppl_ratio_interval

@@ -45,7 +45,7 @@ def modelled(width: int, ar_len: int, scheme: str) -> dict:
     """The speed model's times of one prefill and one decode call of this config on SM8750 (microseconds)."""
     from hydra import compose, initialize_config_dir
 
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
     from qexp.speed.bytes import Shapes, stream_bytes
     from qexp.speed.data import quant_config
     from qexp.speed.fit import fitted

@@ -10,9 +10,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
-from qexp.errors import QexpError
-from qexp.tracking.redact import mask_log_records
+import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
+from qexp.core.errors import QexpError
+from qexp.core.redact import mask_log_records
 
 
 # A native crash (a segfault in QNN's emulator) kills the process before Python can report anything: faulthandler
@@ -28,7 +28,7 @@ mask_log_records()  # before Hydra logs anything: its launcher prints each job's
 
 def _failure_line(exc: Exception) -> str:
     """The one line a failed run prints."""
-    from qexp.tracking.redact import redact_text
+    from qexp.core.redact import redact_text
 
     if isinstance(exc, QexpError):  # no traceback: the error is the user's input or environment
         return redact_text(f"qexp: error: {exc}")
@@ -45,7 +45,7 @@ def _failure_line(exc: Exception) -> str:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     from qexp.pipeline import run_experiment
-    from qexp.tracking.redact import redact_hydra_outputs, redact_text
+    from qexp.core.redact import redact_hydra_outputs, redact_text
     from qexp.tracking.sweep import current_job
 
     from qexp.tracking.slurm import JobTerminated, install_job_signals

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
-from qexp.provenance import REPO_ROOT
+from qexp.core.provenance import REPO_ROOT
 
 CONF_DIR = REPO_ROOT / "conf"
 
@@ -16,7 +16,7 @@ def compose(overrides: List[str], config_name: str = "config"):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=list(overrides))
@@ -28,7 +28,7 @@ def logged_config(run_id: str, tracking_uri: Optional[str] = None):
     from mlflow.tracking import MlflowClient
     from omegaconf import OmegaConf
 
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     try:

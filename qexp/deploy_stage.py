@@ -7,10 +7,8 @@ import logging
 
 import numpy as np
 
-from qexp.backends import PhaseInputs
 from qexp.eval.compare import compare, phase_metrics
-from qexp.provenance import library_versions
-from qexp.timing import release_memory
+from qexp.core.timing import release_memory
 
 log = logging.getLogger("qexp")
 
@@ -35,12 +33,11 @@ def deploy(state) -> None:
     from qexp.tracking.runlog import native_output_captured
 
     # The FP and QDQ float programs are not read again (their results are): freed before the compile's memory peak
-    state.fp_static = state.static = None
+    state.fp_static = state.deploy_static = None
     if state.qdq is not None:
         state.qdq.release_programs()
     release_memory()
-    inputs = PhaseInputs(state.cfg, state.deploy_model, state.windows, state.fp, state.qdq, state.cache, state.timer,
-                         library_versions())
+    inputs = state.phase_inputs()
     log.info("stage deploy (%s): native library output goes to the run's native.log (verbose=true shows it)",
              state.cfg.backend.name)
     native = None

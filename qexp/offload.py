@@ -41,7 +41,7 @@ SMALLEST = 1 << 20  # bytes: smaller storages are not worth a file read
 def tensors_of(module: torch.nn.Module) -> List[torch.Tensor]:
     """Every tensor a module holds: parameters, buffers and plain tensor attributes (an exported program's
     constants)."""
-    from qexp.device import tensor_slots
+    from qexp.core.device import tensor_slots
 
     return [value for _, _, value in tensor_slots(module)]
 
@@ -147,7 +147,7 @@ def on_disk(tensors: Iterable[torch.Tensor], folder: Path, keep: Iterable[torch.
     """Within the block, the storages of `tensors` (less those of `keep` and small ones) hold no memory: the pages of
     read-only file mappings are handed back (a read faults them in again), resizable storages are written to an
     unlinked file in `folder` and read back at exit (nothing inside may read those); others stay."""
-    from qexp.timing import release_memory
+    from qexp.core.timing import release_memory
 
     mapped, others = _drop_mapped_pages(_storages(tensors, keep, SMALLEST if smallest is None else smallest))
     storages = [s for s in others if s.resizable()]  # the rest (e.g. numpy's) cannot be freed in place: kept
@@ -182,7 +182,7 @@ def float_weights_on_disk(state, program: torch.nn.Module):
     evaluated, keeping every tensor `program`'s graph reads; the file goes in the run's cache folder, under
     `.offload`."""
     tensors = [*state.model.state_dict.values(), *state.deploy_model.state_dict.values()]
-    for static in (state.fp_static, state.static):
+    for static in (state.fp_static, state.deploy_static):
         if static is not None:
             tensors += tensors_of(static.module)
     return on_disk(tensors, Path(state.cache.root) / ".offload", keep=tensors_read_by(program))

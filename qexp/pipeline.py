@@ -20,12 +20,12 @@ from omegaconf import DictConfig
 
 from qexp.backends import get_backend
 from qexp.cache import Cache, check_cache_dir, stable_hash
-from qexp.config import NO_QUANT, QDQ_ONLY_SCHEMES
-from qexp.device import device_tags
-from qexp.errors import ConfigError
-from qexp.provenance import config_hash, environment_tags, pin_cpu_numerics
+from qexp.core.config import NO_QUANT, QDQ_ONLY_SCHEMES
+from qexp.core.device import device_tags
+from qexp.core.errors import ConfigError
+from qexp.core.provenance import config_hash, environment_tags, pin_cpu_numerics
 from qexp.run_state import ExperimentResult, RunPlan, RunState
-from qexp.timing import peak_rss_mb
+from qexp.core.timing import peak_rss_mb
 from qexp.tracking.runlog import captured_log
 from qexp.tracking.naming import run_description, run_name
 from qexp.tracking.record import config_yaml, flatten
@@ -44,7 +44,8 @@ def validate(cfg: DictConfig, transforms: Optional[List[Any]] = None) -> RunPlan
     """Reject a bad config before any model is loaded; returns the run's backend and algorithms (`transforms`: those
     already built from cfg.algorithm, checked here rather than built again)."""
     from qexp.data.text import check_texts
-    from qexp.device import check_device, check_gpu_memory
+    from qexp.core.device import check_device
+    from qexp.models.shapes import check_gpu_memory
     from qexp.models.static_llama import arch_flags
     from qexp.models.shapes import linear_shapes
     from qexp.quant.recipe import check_block_sizes, check_overrides_match, uses_blocks, validate_recipe
@@ -158,7 +159,7 @@ def _same_htp_exact_model(cfg: DictConfig, previous) -> bool:
 
 
 def _still_valid(cfg: DictConfig) -> bool:
-    from qexp.errors import QexpError
+    from qexp.core.errors import QexpError
 
     try:
         validate(cfg)

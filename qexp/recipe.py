@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-from qexp.errors import QexpError
+from qexp.core.errors import QexpError
 
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -25,8 +25,8 @@ def load(source: str, observer: str | None, tracking_uri: str | None):
     from omegaconf import OmegaConf
 
     from qexp.compose import CONF_DIR, compose, logged_config
-    from qexp.config import QuantConfig
-    from qexp.errors import ConfigError
+    from qexp.core.config import QuantConfig
+    from qexp.core.errors import ConfigError
 
     overrides = [f"observer={observer}"] if observer else []
     if RUN_ID.match(source):

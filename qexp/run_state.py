@@ -11,10 +11,10 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 from omegaconf import DictConfig
 
-from qexp.backends import Backend, QdqPhase
+from qexp.backends import Backend, PhaseInputs, QdqPhase
 from qexp.cache import Cache
-from qexp.config import NO_QUANT
-from qexp.timing import StageTimer
+from qexp.core.config import NO_QUANT
+from qexp.core.timing import StageTimer
 from qexp.tracking.store import Tracker
 
 
@@ -56,17 +56,28 @@ class RunState:
     fp: Any = None  # EvalResult of the FP phase
     calibration: Any = None
     deploy_model: Any = None  # the model with every transform applied: what QDQ and the backend use
-    static: Any = None  # the static llama of deploy_model
+    deploy_static: Any = None  # the static llama of deploy_model
     qdq: Optional[QdqPhase] = None
     task_results: List[Any] = field(default_factory=list)  # the CPU phases' TaskResults (the deployed one pairs them)
 
-    device: Any = None  # torch.device of the torch phases (qexp/device.py), resolved from cfg.device
+    device: Any = None  # torch.device of the torch phases (qexp/core/device.py), resolved from cfg.device
+    _phase_inputs: Optional[PhaseInputs] = None
 
     def __post_init__(self):
-        from qexp.device import run_device
+        from qexp.core.device import run_device
 
         self.cache = self.cache or Cache(self.cfg.cache_dir, self.cfg.cache.lock_timeout_s)
         self.device = self.device or run_device(self.cfg)
+
+    def phase_inputs(self) -> PhaseInputs:
+        """What the backend's phase reads (the deployed model, the windows, the FP and QDQ results), built once: the
+        deploy stage and the tasks' deployed program share it."""
+        if self._phase_inputs is None:
+            from qexp.core.provenance import library_versions
+
+            self._phase_inputs = PhaseInputs(self.cfg, self.deploy_model, self.windows, self.fp, self.qdq, self.cache,
+                                             self.timer, library_versions())
+        return self._phase_inputs
 
     def log_params(self, params: Dict[str, Any]) -> None:
         if self.tracked:

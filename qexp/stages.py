@@ -10,10 +10,10 @@ import numpy as np
 
 from qexp.backends import QdqPhase
 from qexp.deploy_stage import deploy, tasks
-from qexp.device import on_device
-from qexp.errors import InputError
+from qexp.core.device import on_device
+from qexp.core.errors import InputError
 from qexp.eval.compare import compare, phase_metrics
-from qexp.provenance import fp_eval_key, qdq_cache_key
+from qexp.core.provenance import fp_eval_key, qdq_cache_key
 
 log = logging.getLogger("qexp")
 
@@ -165,7 +165,7 @@ def transform(state) -> None:
 
     transforms = model_transforms(state.transforms)
     if not transforms:
-        state.deploy_model, state.static = state.model, state.fp_static
+        state.deploy_model, state.deploy_static = state.model, state.fp_static
         return
     curves = CurveLog() if state.tracked else None  # logs a training's curves as it trains, the rest once done
     model, context = apply_algorithms(state, transforms, curves)
@@ -179,7 +179,7 @@ def transform(state) -> None:
         result, hit = cached_evaluation(state.cache, key, state.windows,
                                         lambda: scored(state, static.module, static, "FP transformed"))
     state.tags["fp_transformed_eval_cache_hit"] = str(hit).lower()
-    state.deploy_model, state.static = model, static
+    state.deploy_model, state.deploy_static = model, static
     state.metrics.update({"ppl_fp_transformed": result.metrics()["ppl"],
                           **compare(result, state.fp, "fp_transformed", "fp")})
     state.tags.update({"algorithm": algorithm_label(transforms), "model_sha256_transformed": model.fingerprint})
@@ -223,7 +223,7 @@ def qdq(state) -> None:
 
     if not state.quantized:
         return
-    cfg, static, soc = state.cfg, state.static, state.backend.quantizer_soc(state.cfg)
+    cfg, static, soc = state.cfg, state.deploy_static, state.backend.quantizer_soc(state.cfg)
     algorithms = calibration_algorithms(state.transforms)
     key = qdq_cache_key(cfg, state.deploy_model, static, state.calibration, soc,
                         [a.fingerprint() for a in algorithms], state.device)

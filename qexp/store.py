@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from qexp.errors import QexpError
+from qexp.core.errors import QexpError
 
 
 def main(argv=None) -> int:
@@ -58,8 +58,8 @@ def main(argv=None) -> int:
 
 
 def _replay(spool, uri) -> int:
-    from qexp.provenance import REPO_ROOT
-    from qexp.tracking.redact import redact_text
+    from qexp.core.provenance import REPO_ROOT
+    from qexp.core.redact import redact_text
     from qexp.tracking.spool import pending, replay
     from qexp.tracking.writer import SENDERS
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-from qexp.errors import QexpError
+from qexp.core.errors import QexpError
 
 
 def qexp_experiments(client, only: Optional[str] = None) -> List[Tuple[object, int]]:
@@ -49,8 +49,8 @@ def prepare(uri: str, only: Optional[str] = None) -> List[Tuple[object, int]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from qexp.config import TrackingConfig
-    from qexp.tracking.redact import redact_text
+    from qexp.core.config import TrackingConfig
+    from qexp.core.redact import redact_text
     from qexp.tracking.address import resolve_uri, sqlite_file
     from qexp.tracking.ui_view import landing_url
 

@@ -34,8 +34,8 @@ def train_on(device: str, overrides: list, cache_dir: str) -> dict:
     from qexp.data.calibration import build_calibration
     from qexp.data.text import calibration_corpus, load_corpus
     from qexp.models import load_model
-    from qexp.provenance import pin_cpu_numerics
-    from qexp.timing import StageTimer
+    from qexp.core.provenance import pin_cpu_numerics
+    from qexp.core.timing import StageTimer
     from qexp.transforms import TransformContext, apply_transforms, build_transforms, model_transforms
     from qexp.quant.grid import grid_for
 

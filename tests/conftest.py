@@ -20,7 +20,7 @@ import pytest
 # outnumber the cores and OpenMP's spin-waits burn the CPU the other workers need (docs/testing-and-benchmarks.md).
 # Subprocesses inherit the variable.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-# A metric logged without its entry in the metric catalog (qexp/eval/metrics.py) fails the test that logs it, in
+# A metric logged without its entry in the metric catalog (qexp/core/metrics.py) fails the test that logs it, in
 # this process and in the runs it starts.
 os.environ["QEXP_CHECK_METRICS"] = "1"
 if _WORKERS:
@@ -60,7 +60,7 @@ def compose(cache_dir, store_uri):
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
 
     def _compose(overrides: List[str] | None = None, tracked: bool = True):
         GlobalHydra.instance().clear()

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from helpers import TINY, program_weights
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 from qexp.pipeline import prepare, run_experiment, validate
-from qexp.timing import StageTimer
+from qexp.core.timing import StageTimer
 from qexp.transforms import TransformContext, apply_transforms, build_transforms
 from qexp.transforms.awq import awq_loss, search_scale
-from qexp.quant.grid import WeightGrid, grid_for, layer_linears, static_module_path
+from qexp.models.shapes import static_module_path
+from qexp.quant.grid import WeightGrid, grid_for, layer_linears
 from qexp.transforms.gptq import gptq_quantize, hessian
 from qexp.transforms.smoothquant import smoothing_scales
 from qexp.transforms.weight_clip import mse_scales
@@ -47,7 +48,7 @@ def test_grid_is_qnnquantizers_grid(compose):
     for quant in (["quant=16a4w"], ["quant=16a3w_block", "quant.block_size=16"]):
         state = prepare(compose(TINY + quant), through="qdq")
         weights = program_weights(state.qdq.program.module)
-        model, static = state.model, state.static
+        model, static = state.model, state.deploy_static
         checked = 0
         for key in layer_linears(0) + ["output.weight"]:
             name, expected_rows = static.static_layout(key,
@@ -157,7 +158,7 @@ def test_gptq_integers_reach_the_qdq_program_exactly(compose):
     short_groups = 0
     for quant in (["quant=16a4w"], ["quant=16a4w_block", "quant.block_size=16"]):
         state = prepare(compose(TINY + quant + ["+algorithm.rotation={}", "+algorithm.gptq={}"]), through="qdq")
-        model, static = state.deploy_model, state.static
+        model, static = state.deploy_model, state.deploy_static
         weights = program_weights(state.qdq.program.module)
         for key in layer_linears(1):
             grid = grid_for(state.cfg.quant, key)
@@ -264,7 +265,7 @@ def test_searched_scales_reach_the_qdq_program_exactly(compose, algorithm, extra
     round(w / scale) with them, and some are below QnnQuantizer's own absmax scales."""
     for quant in (["quant=16a4w"], ["quant=16a4w_block", "quant.block_size=16"]):
         state = prepare(compose(TINY + quant + [f"algorithm={algorithm}", *extra]), through="qdq")
-        model, static = state.deploy_model, state.static
+        model, static = state.deploy_model, state.deploy_static
         weights = program_weights(state.qdq.program.module)
         clipped = 0
         for key in layer_linears(1):
@@ -316,8 +317,8 @@ def test_seq_mse_scales_reach_the_program_and_the_deploy_graphs(compose):
     # a kv graph (another AR length) quantized from the saved statistics gets the same searched scales
     stats = torch.load(searched.qdq.program.stats_path, weights_only=True)
     cfg = searched.cfg
-    converted, _ = quantized_graph(searched.deploy_model, 64, 1, searched.static.r3, cfg.quant, cfg.observer, stats,
-                                   cfg.model.recompose_hadamard, "SM8650")
+    converted, _ = quantized_graph(searched.deploy_model, 64, 1, searched.deploy_static.r3, cfg.quant, cfg.observer,
+                                   stats, cfg.model.recompose_hadamard, "SM8650")
     c = program_weights(converted)
     for name in b:
         assert torch.equal(c[name][0], b[name][0]) and torch.allclose(c[name][1], b[name][1]), name
@@ -397,7 +398,7 @@ def test_smoothquant_serves_8bit_overrides_on_the_linears_it_smooths(compose):
 
 
 def test_bad_block_size_and_empty_calibration_fail_the_run_before_work(compose, cache_dir):
-    from qexp.errors import InputError
+    from qexp.core.errors import InputError
 
     with pytest.raises((ConfigError, InputError), match="block_size=48 does not divide the 64 input channels"):
         run_experiment(compose(TINY + ["quant=16a4w_block", "quant.block_size=48", "algorithm=[awq]"]))
@@ -415,7 +416,7 @@ def test_bad_block_size_and_empty_calibration_fail_the_run_before_work(compose, 
 ])
 def test_two_bit_weights_refuse_the_grid_searches(compose, overrides, match):
     """The weight algorithms search symmetric grids; 16a2w's codes are [-2, 1]: one line before any work."""
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
     from qexp.pipeline import validate
 
     with pytest.raises(ConfigError, match=match):

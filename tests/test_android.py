@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 import qexp.backends.htp.android as android_module
 from test_htp import HTP_RUN
-from qexp.errors import InputError
+from qexp.core.errors import InputError
 from qexp.pipeline import run_experiment
 
 

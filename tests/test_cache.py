@@ -13,7 +13,7 @@ from helpers import TINY
 from qexp.cache import MANIFEST, USES, Cache
 from qexp.cache.__main__ import main as cache_cli
 from qexp.cache.usage import entries, prune
-from qexp.errors import CacheFullError
+from qexp.core.errors import CacheFullError
 
 
 def _builder(calls):

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import TINY
 from qexp.data.calibration import build_calibration, check_disjoint
-from qexp.errors import ConfigError, InputError
+from qexp.core.errors import ConfigError, InputError
 from qexp.data.windows import make_windows
 
 

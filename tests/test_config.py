@@ -7,8 +7,8 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ValidationError
 
 from helpers import CONF
-from qexp.config import SCHEMES
-from qexp.errors import ConfigError
+from qexp.core.config import SCHEMES
+from qexp.core.errors import ConfigError
 from qexp.pipeline import validate
 
 GROUPS = ["model", "quant", "observer", "calibration", "eval", "text", "backend", "algorithm", "tracking", "experiment"]

@@ -1,8 +1,8 @@
-"""The run's device (`device: auto | cpu | cuda`, qexp/device.py). On this CPU host: bad devices are one line before
-any work with a FAILED run; auto and cpu give the same run (figures, config hash, cache keys) as before the setting;
-the FP and QDQ programs run whole on another device (the meta device stands in for CUDA: a tensor left on the CPU
-fails the forward) and get their very CPU tensors back; a report refuses CPU and CUDA perplexities in one table.
-With a GPU, the CUDA tests compare both devices' figures on the tiny model."""
+"""The run's device (`device: auto | cpu | cuda`, qexp/core/device.py). On this CPU host: bad devices are one line
+before any work with a FAILED run; auto and cpu give the same run (figures, config hash, cache keys) as before the
+setting; the FP and QDQ programs run whole on another device (the meta device stands in for CUDA: a tensor left on
+the CPU fails the forward) and get their very CPU tensors back; a report refuses CPU and CUDA perplexities in one
+table."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_a_device_qexp_cannot_use_is_one_line_and_a_failed_run(device, message, 
 def test_cpu_and_auto_are_the_run_from_before_the_setting(compose):
     """Without a GPU, auto is the CPU; the CPU leaves the config hash and the FP cache key as they were."""
     from qexp.pipeline import RunState, validate
-    from qexp.provenance import config_hash
+    from qexp.core.provenance import config_hash
 
     from omegaconf import open_dict
 
@@ -59,7 +59,7 @@ def test_cpu_and_auto_are_the_run_from_before_the_setting(compose):
 def test_the_fp_and_qdq_programs_run_whole_on_another_device(compose):
     """`placed` moves every parameter, buffer and constant of the static llama and of the folded QDQ program: their
     forward on the meta device touches no CPU tensor. Afterwards the CPU logits are bit-identical."""
-    from qexp.device import placed
+    from qexp.core.device import placed
     from qexp.models.static_llama import window_logits
     from qexp.pipeline import prepare
     from qexp.quant.fold import with_weights_dequantized
@@ -68,7 +68,7 @@ def test_the_fp_and_qdq_programs_run_whole_on_another_device(compose):
     meta = torch.device("meta")
     ids = state.windows.ids[0]
     programs = {"fp": (state.fp_static.module, state.fp_static),
-                "qdq": (with_weights_dequantized(state.qdq.program.module, None), state.static)}
+                "qdq": (with_weights_dequantized(state.qdq.program.module, None), state.deploy_static)}
     for name, (module, static) in programs.items():
         before = window_logits(module, static, ids)
         tensors = [id(t) for t in list(module.parameters()) + list(module.buffers())]
@@ -117,7 +117,7 @@ def test_the_task_scorers_run_whole_on_another_device(compose):
     meta = torch.device("meta")
     embedding = state.model.state_dict["tok_embeddings.weight"].clone()
     folded = with_weights_dequantized(state.qdq.program.module, None)
-    for module, static in ((state.fp_static.module, state.fp_static), (folded, state.static)):
+    for module, static in ((state.fp_static.module, state.fp_static), (folded, state.deploy_static)):
         scorer = PackedScorer(module, static, "meta", head_rows(module, static.ar_len), meta)
         rows = [0, 5, 9]
         logits = scorer.forward(static.inputs(state.windows.ids[0]), rows)

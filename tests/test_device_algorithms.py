@@ -1,4 +1,4 @@
-"""The algorithms, the calibration and the sensitivity analysis on the run's device (qexp/device.py). Without a GPU
+"""The algorithms, the calibration and the sensitivity analysis on the run's device (qexp/core/device.py). Without a GPU
 the meta device stands in for CUDA: any tensor left on the CPU fails an op that mixes it with a meta one, so each
 piece below runs whole there (meta tensors carry shapes, not values, so results are checked on the CPU runs of the
 other tests). Results computed on another device are keyed apart from CPU ones; the CPU's keys are unchanged. A GPU
@@ -70,17 +70,18 @@ def test_calibration_runs_on_another_device(tiny_state):
     arithmetic branches on values (`min(tensor, tensor)`, `.item()`), which the meta device has not, so here they
     pass their input through; their code creates no CPU tensor (read in ExecuTorch 1.5.1's qualcomm observers), and
     the CUDA test of tests/test_device.py runs them."""
-    from qexp.device import placed, to_device
+    from qexp.core.device import placed, to_device
     from qexp.quant.calibrate import prepare, weight_observers
-    from qexp.timing import StageTimer
+    from qexp.core.timing import StageTimer
 
     state, cfg = tiny_state, tiny_state.cfg
-    prepared = prepare(state.static, cfg.quant, cfg.observer, state.backend.quantizer_soc(cfg), True, StageTimer())
+    soc = state.backend.quantizer_soc(cfg)
+    prepared = prepare(state.deploy_static, cfg.quant, cfg.observer, soc, True, StageTimer())
     observers = [m for name, m in prepared.named_children() if name.startswith("activation_post_process")]
     for observer in observers:
         observer.forward = lambda x: x  # the stand-in for a forward on values (see above)
     with torch.no_grad(), placed(prepared, META):
-        out = prepared(*to_device(state.static.inputs(state.calibration.samples[0]), META))
+        out = prepared(*to_device(state.deploy_static.inputs(state.calibration.samples[0]), META))
         assert out[0].device == META
         assert all(t.device == META for t in list(prepared.parameters()) + list(prepared.buffers()))
         assert weight_observers(prepared)  # the weights' observers are among the placed modules
@@ -89,7 +90,7 @@ def test_calibration_runs_on_another_device(tiny_state):
 
 def test_the_sensitivity_replay_runs_on_another_device(tiny_state):
     """The analysis' replay (and the recipes' measure, which uses it) on the meta device, on the run's windows."""
-    from qexp.device import move
+    from qexp.core.device import move
     from qexp.sensitivity.replay import LayerReplay
     from qexp.models.static_llama import StaticLlama
 
@@ -118,7 +119,7 @@ class _Unchanged:
 
 
 def test_results_computed_on_another_device_are_keyed_apart(tiny_state):
-    from qexp.provenance import qdq_cache_key
+    from qexp.core.provenance import qdq_cache_key
     from qexp.transforms import TransformContext, apply_transforms
 
     state, cfg = tiny_state, tiny_state.cfg
@@ -127,10 +128,10 @@ def test_results_computed_on_another_device_are_keyed_apart(tiny_state):
         context = TransformContext(cfg, state.calibration, state.cache, state.timer, device=device)
         keys[name] = apply_transforms(state.model, [_Unchanged()], context).fingerprint
     assert keys["unset"] == keys["cpu"] != keys["meta"]
-    qdq = {d: qdq_cache_key(cfg, state.model, state.static, state.calibration, "SM8650", (), d)
+    qdq = {d: qdq_cache_key(cfg, state.model, state.deploy_static, state.calibration, "SM8650", (), d)
            for d in (None, torch.device("cpu"), META)}
     assert qdq[None] == qdq[torch.device("cpu")] != qdq[META]
-    assert qdq[None] == qdq_cache_key(cfg, state.model, state.static, state.calibration, "SM8650")
+    assert qdq[None] == qdq_cache_key(cfg, state.model, state.deploy_static, state.calibration, "SM8650")
 
 
 LLAMA_3B = {"n_layers": 28, "dim": 3072, "hidden_dim": 8192, "n_heads": 24, "n_kv_heads": 8, "head_dim": 128,
@@ -139,8 +140,8 @@ LLAMA_3B = {"n_layers": 28, "dim": 3072, "hidden_dim": 8192, "n_heads": 24, "n_k
 
 def test_a_gpu_too_small_for_the_model_is_one_line_before_it_loads(compose, monkeypatch):
     """The shapes of Llama-3.2-3B (its released config, `shape_llama3_2_3b`) on stand-in GPUs of 16 and 80 GiB."""
-    from qexp.device import check_fits, gpu_need_gib, static_llama_weights
-    from qexp.errors import ConfigError
+    from qexp.core.device import check_fits, gpu_need_gib, static_llama_weights
+    from qexp.core.errors import ConfigError
     from qexp.models.shapes import model_dims
 
     dims = model_dims(compose(["model=shape_llama3_2_3b"], tracked=False).model)  # head_dim: dim / n_heads

@@ -51,7 +51,7 @@ def test_op_by_op_diagnosis_of_the_deployed_program(compose):
 def test_per_position_sqnr_is_not_the_massive_position_s():
     """A position 1000x the others' rms with a small error, the others with 1% errors: the whole tensor's SQNR is the
     big position's (~60 dB), the per-position median the others' (40 dB)."""
-    from qexp.eval.compare import per_position_sqnr_db
+    from diagnostics.sqnr import per_position_sqnr_db
 
     generator = torch.Generator().manual_seed(0)
     reference = torch.randn(1, 8, 64, generator=generator)  # [batch, tokens, channels]

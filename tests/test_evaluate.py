@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from qexp.errors import InputError
+from qexp.core.errors import InputError
 from qexp.data.windows import make_windows
 from qexp.eval.perplexity import evaluate
 

@@ -15,7 +15,7 @@ import torch
 from helpers import TINY
 from qexp.cache import Cache, stable_hash
 from qexp.data.windows import make_windows
-from qexp.errors import InputError
+from qexp.core.errors import InputError
 from qexp.eval.perplexity import evaluate
 from qexp.models.sources import load_model
 from qexp.models.static_llama import StaticLlama, window_logits
@@ -282,7 +282,7 @@ def test_function_preserving_transforms_on_gemma(overrides, compose):
 
 def test_rotation_r1_refused_on_gemma(compose):
     """R1 is not function-preserving with post-norms: refused at validation, one line."""
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
     from qexp.pipeline import validate
 
     with pytest.raises(ConfigError, match="post-attention / post-FFN norms") as info:

@@ -14,10 +14,10 @@ from qexp.data.calibration import build_calibration
 from qexp.data.windows import make_windows
 from qexp.backends.htp.runner import HtpRunner
 from qexp.backends.htp.lower import KV_GRAPH, PREFILL_GRAPH, compile_pte
-from qexp.provenance import library_versions
+from qexp.core.provenance import library_versions
 from qexp.quant.calibrate import quantize
 from qexp.models.static_llama import StaticLlama, window_logits
-from qexp.timing import StageTimer
+from qexp.core.timing import StageTimer
 
 CONTEXT = 64
 
@@ -143,12 +143,12 @@ def test_graphs_lowered_in_turn_with_float_originals_kept_give_the_parallel_prog
     hit = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(cache_dir), StageTimer(), library_versions())
     assert hit.cache_hit and hit.key == program.key
     stats = torch.load(qdq.stats_path, weights_only=True)
-    graph = lower._deploy_graph(tiny_model, cfg, KV_GRAPH, 1, static.r3, stats, StageTimer())["module"]
+    graph = lower.deploy_graph(tiny_model, cfg, KV_GRAPH, 1, static.r3, stats, StageTimer())["module"]
     read = {n.target for n in graph.graph.nodes if n.op == "get_attr"}
     assert {name for name, _ in graph.named_parameters()} <= read
     # as before the change, for the graph below and the compile after it: the originals kept
     monkeypatch.setattr(graph_module, "drop_unused_attributes", lambda module: 0)
-    kept = lower._deploy_graph(tiny_model, cfg, KV_GRAPH, 1, static.r3, stats, StageTimer())["module"]
+    kept = lower.deploy_graph(tiny_model, cfg, KV_GRAPH, 1, static.r3, stats, StageTimer())["module"]
     assert any(name not in read for name, _ in kept.named_parameters())  # else this test would test nothing
     cold = compile_pte(tiny_model, cfg, qdq, static.r3, Cache(str(tmp_path)), StageTimer(), library_versions())
     assert not cold.cache_hit and cold.key == program.key and cold.pte_bytes == program.pte_bytes
@@ -191,13 +191,13 @@ def test_a_worker_program_read_back_without_delegate_weights_emits_the_same_pte(
     from executorch.backends.qualcomm.utils.utils import qnn_edge_config
     from executorch.exir.serde.serialize import serialize
 
-    from qexp.backends.htp.lower import _deploy_graph, lower_graphs
+    from qexp.backends.htp.lower import deploy_graph, lower_graphs
     from qexp.backends.htp.parallel import from_payload, to_payload
     from qexp.upstream.private import executorch_backend_config
 
     cfg, static, qdq, _, _, _ = deployed
     stats = torch.load(qdq.stats_path, weights_only=True)
-    graph = _deploy_graph(tiny_model, cfg, KV_GRAPH, 1, static.r3, stats, StageTimer())
+    graph = deploy_graph(tiny_model, cfg, KV_GRAPH, 1, static.r3, stats, StageTimer())
     lowered = lower_graphs({KV_GRAPH: graph}).exported_program(KV_GRAPH)
 
     def pte(program) -> bytes:
@@ -227,8 +227,8 @@ def test_sharded_program_gives_the_same_outputs(deployed, tiny_model, tmp_path):
 
 
 def test_parallel_lowering_steps_back_without_memory(monkeypatch, caplog):
-    """Not enough memory for a compile worker: the graphs are lowered one after the other, with one warning (_lower
-    asks this before forking; the test on the emulator above covers both lowerings)."""
+    """Not enough memory for a compile worker: the graphs are lowered one after the other, with one warning
+    (build_and_lower asks this before forking; the test on the emulator above covers both lowerings)."""
     import psutil
 
     from qexp.backends.htp.lower import _room_for_workers
@@ -321,7 +321,7 @@ def test_unknown_soc_lists_valid(compose):
     ("backend.num_sharding=99", "use 1 to the model's 2 layers"),
 ])
 def test_bad_htp_configs(compose, override, match):
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
     from qexp.pipeline import validate
 
     with pytest.raises(ConfigError, match=match):
@@ -340,7 +340,7 @@ def test_r3_rotation_kept_as_matmul_deploys(compose, store_uri):
 def test_r3_as_hadamard_transform_is_refused_clearly(compose, scheme):
     """R3 recomposed into QNN's HadamardTransform: HTP cannot build it in the prefill graph (`could not create op`),
     rejects it at 8 bits, and its graphs differ between AR lengths. One clear error naming the fix, before any work."""
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
     from qexp.pipeline import validate
 
     with pytest.raises(ConfigError, match="recompose_hadamard=false"):
@@ -349,7 +349,7 @@ def test_r3_as_hadamard_transform_is_refused_clearly(compose, scheme):
 
 def test_lpbq_block_sizes_the_emulator_cannot_run_are_refused_before_compiling(compose):
     """Block 64 segfaults QNN's x86 HTP emulator (seen on SmolLM2 with AWQ + 16a4w_block/64): one line, no compile."""
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
     from qexp.pipeline import validate
 
     with pytest.raises(ConfigError, match="LPBQ block_size=64"):
@@ -364,7 +364,7 @@ def test_kv_caches_of_mixed_bit_widths_are_refused_before_any_work(compose):
     """An 8-bit-activation override on the v projection makes the v cache 8-bit beside 16-bit k caches; HTP programs
     take one cache type (measured: that program compiled and returned garbage, top-1 agreement with QDQ 0.000; the
     opposite mix aborted the emulator). One line naming both fixes; each fix passes."""
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
     from qexp.pipeline import validate
 
     with pytest.raises(ConfigError, match="v cache would be 8-bit beside 16-bit k caches"):
@@ -381,15 +381,15 @@ def test_the_lowering_checks_the_cache_widths_in_the_graph_itself(compose):
     """What validation predicts, the deploy graph confirms: the same mixed program (built here without the HTP
     backend's validation) is refused by the lowering's own check, and a uniform one passes it."""
     from qexp.backends.htp.graph import check_one_kv_cache_width, quantized_graph
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
     from qexp.pipeline import prepare
 
     all_8_bit = V_AT_8_BITS + ["quant.custom_annotations=[annotate_kv_8bit]"]
     for overrides, mixed in ((V_AT_8_BITS, True), (all_8_bit, False)):
         state = prepare(compose(TINY + overrides), through="qdq")
         cfg, stats = state.cfg, torch.load(state.qdq.program.stats_path, weights_only=True)
-        converted, static = quantized_graph(state.deploy_model, 64, 1, state.static.r3, cfg.quant, cfg.observer, stats,
-                                            cfg.model.recompose_hadamard, "SM8650")
+        converted, static = quantized_graph(state.deploy_model, 64, 1, state.deploy_static.r3, cfg.quant, cfg.observer,
+                                            stats, cfg.model.recompose_hadamard, "SM8650")
         if mixed:
             with pytest.raises(ConfigError, match=r"KV caches mix bit widths \(k 16-bit, v 8/16-bit"):
                 check_one_kv_cache_width(converted, static.n_layers)

@@ -19,7 +19,7 @@ from qexp.quant.htp_arithmetic import (
 )
 from qexp.quant.htp_arithmetic_pass import MODELLED_OPS
 from qexp.quant.lpbq import quantize_block_scales
-from qexp.config import BlockScaleRounding
+from qexp.core.config import BlockScaleRounding
 
 
 def _int64_reference(x_q, zp, w):
@@ -139,7 +139,7 @@ def test_new_settings_at_their_default_keep_earlier_hashes(compose):
     count."""
     from omegaconf import OmegaConf
 
-    from qexp.provenance import config_hash, stable_hash
+    from qexp.core.provenance import config_hash, stable_hash
 
     cfg = compose(TINY)
     container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)

@@ -99,6 +99,44 @@ def test_no_import_cycles():
         " <-> ".join(c) for c in cycles)
 
 
+def _package(module: str, packages: set) -> str:
+    """A module's package: qexp.<sub> for a module inside a subpackage, "qexp" for the root's modules (the run and its
+    commands), "command" for a `__main__` (a command sits above everything it runs: `python -m qexp.tasks` lives in
+    tasks/ only because `-m` puts it there)."""
+    parts = module.split(".")
+    if parts[-1] == "__main__":
+        return "command"
+    return ".".join(parts[:2]) if ".".join(parts[:2]) in packages else "qexp"
+
+
+def test_no_import_cycles_between_packages():
+    """The packages are layered (core at the bottom, then upstream, cache, models, data, eval, quant, ... the run,
+    sensitivity, search, report at the top): no package imports, at any depth and inside functions too, a package
+    that imports it back."""
+    graph = _import_graph()
+    packages = {".".join(m.split(".")[:2]) for m in graph if m.count(".") >= 2}
+    edges: dict = {}
+    for module, targets in graph.items():
+        for target in targets:
+            a, b = _package(module, packages), _package(target, packages)
+            if a != b and a != "command":
+                edges.setdefault(a, {}).setdefault(b, []).append(f"{module} -> {target}")
+
+    def reaches(start, goal):
+        seen, todo = set(), [start]
+        while todo:
+            node = todo.pop()
+            if node == goal:
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo.extend(edges.get(node, {}))
+        return False
+
+    back = sorted(f"{a} -> {b} ({edges[a][b][0]})" for a in edges for b in edges[a] if reaches(b, a))
+    assert not back, "packages that import each other (directly or through others): " + "; ".join(back)
+
+
 def test_the_quantization_grid_and_the_speed_model_sit_below_the_algorithms():
     """quant/ (the grid, the recipe, calibration), speed/ and sensitivity/ import nothing from transforms/ (the
     algorithms): the algorithms build on the grid, and the analysis reaches them through the run (qexp.pipeline)."""

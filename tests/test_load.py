@@ -11,7 +11,7 @@ import torch
 
 from helpers import TINY
 from qexp.cache import Cache
-from qexp.errors import InputError
+from qexp.core.errors import InputError
 from qexp.models.sources import load_model
 from qexp.models.static_llama import StaticLlama, window_logits
 

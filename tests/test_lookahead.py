@@ -121,7 +121,7 @@ def test_lookahead_on_htp_is_lossless(compose, store_uri, updater):
     ("backend.bench.new_tokens=40", "does not fit"),
 ])
 def test_bad_lookahead_configs(compose, override, match):
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
     from qexp.pipeline import validate
 
     with pytest.raises(ConfigError, match=match):

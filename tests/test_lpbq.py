@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import TINY, program_weights
-from qexp.config import BlockScaleRounding
+from qexp.core.config import BlockScaleRounding
 from qexp.pipeline import prepare
 from qexp.quant.lpbq import SCALE_STEPS, quantize_block_scales
 from qexp.quant.grid import WeightGrid
@@ -85,7 +85,7 @@ def test_the_qdq_program_and_the_deploy_graphs_use_representable_block_scales(co
     # the kv graph (another AR length) built from the cached statistics gets the same scales and integers
     stats = torch.load(state.qdq.program.stats_path, weights_only=True)
     cfg = state.cfg
-    converted, _ = quantized_graph(state.deploy_model, 64, 1, state.static.r3, cfg.quant, cfg.observer, stats,
+    converted, _ = quantized_graph(state.deploy_model, 64, 1, state.deploy_static.r3, cfg.quant, cfg.observer, stats,
                                    cfg.model.recompose_hadamard, "SM8650")
     deployed = program_weights(converted)
     for name, (ints, scale) in blocks.items():

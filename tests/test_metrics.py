@@ -1,4 +1,4 @@
-"""The metric catalog (qexp/eval/metrics.py): what the report, the UI, the search and the docs read about metrics."""
+"""The metric catalog (qexp/core/metrics.py): what the report, the UI, the search and the docs read about metrics."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from qexp.eval import metrics
-from qexp.eval.metrics import CATALOG, HIGHER, LOWER, UnlistedMetricError, better, check, header, lookup
+from qexp.core import metrics
+from qexp.core.metrics import CATALOG, HIGHER, LOWER, UnlistedMetricError, better, check, header, lookup
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,9 +55,9 @@ def test_entries_are_distinct_and_their_headers_fill_in():
 
 def test_every_metric_the_product_names_is_in_the_catalog():
     """The report's columns, the UI's runs view, the search's objectives and the leaderboard's figures."""
-    from qexp.search.config import SEARCH_OBJECTIVES
+    from qexp.core.search_config import SEARCH_OBJECTIVES
     from qexp.report.columns import COLUMNS, CSV_METRICS, EXTRA_COLUMNS
-    from qexp.search.config import OBJECTIVE_METRICS as SEARCH_COLUMNS
+    from qexp.core.search_config import OBJECTIVE_METRICS as SEARCH_COLUMNS
     from qexp.tracking.ui_view import TABLE_METRICS, view_state
 
     named = [source.split(".", 1)[1] for source, _ in {**COLUMNS, **EXTRA_COLUMNS}.values()
@@ -71,7 +71,7 @@ def test_every_metric_the_product_names_is_in_the_catalog():
 
 def test_the_docs_page_is_the_catalog():
     page = (ROOT / "docs" / "metrics.md").read_text()
-    assert metrics.markdown() in page, "regenerate the table: python -m qexp.eval.metrics (docs/metrics.md)"
+    assert metrics.markdown() in page, "regenerate the table: python -m qexp.core.metrics (docs/metrics.md)"
 
 
 def test_task_metrics_find_their_own_family():

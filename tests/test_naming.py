@@ -19,7 +19,7 @@ def test_sweep_jobs_get_distinct_names_from_what_the_sweep_varies():
     assert varied == ["calibration.limit", "observer", "quant"]
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
+    import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
 
     from helpers import CONF
     from hydra.core.global_hydra import GlobalHydra

@@ -25,14 +25,14 @@ def test_prepare_runs_stages_untracked(compose, store_uri):
 
 
 def test_calibration_is_annotated_for_the_backends_soc(compose):
-    from qexp.provenance import qdq_cache_key
+    from qexp.core.provenance import qdq_cache_key
 
     cfg = compose(TINY + ["backend=htp", "backend.soc=SM8750"])
     assert get_backend("htp").quantizer_soc(cfg) == "SM8750"
     assert get_backend("none").quantizer_soc(compose(TINY)) == "SM8650"  # a QDQ-only run: the default SoC
     state = prepare(compose(TINY + ["quant=16a8w"]), through="calibration")
-    state.static = state.fp_static
-    keys = {soc: qdq_cache_key(state.cfg, state.model, state.static, state.calibration, soc)
+    state.deploy_static = state.fp_static
+    keys = {soc: qdq_cache_key(state.cfg, state.model, state.deploy_static, state.calibration, soc)
             for soc in ("SM8650", "SM8750")}
     assert keys["SM8650"] != keys["SM8750"]
 

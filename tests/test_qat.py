@@ -16,7 +16,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from helpers import REPO, TINY, program_weights
-from qexp.errors import ConfigError, InputError
+from qexp.core.errors import ConfigError, InputError
 from qexp.pipeline import prepare, run_experiment, validate
 from qexp.quant.grid import grid_for, layer_linears
 
@@ -38,7 +38,7 @@ def test_the_program_rounds_the_trained_weights_as_training_did(compose, quant):
     for key in layer_linears(1):
         grid = grid_for(state.cfg.quant, key)
         scales = model.weight_ranges[key] / grid.qmax
-        name, expected = state.static.static_layout(key, grid.quantize(model.state_dict[key], scales))
+        name, expected = state.deploy_static.static_layout(key, grid.quantize(model.state_dict[key], scales))
         ints, scale = weights[name]
         ints = ints.reshape(ints.shape[0], -1).float()
         scale = scale.reshape(ints.shape[0], -1)

@@ -9,7 +9,7 @@ import torch
 from helpers import TINY
 from qexp.cache import Cache
 from qexp.data.calibration import build_calibration
-from qexp.config import QDQ_ONLY_SCHEMES, SCHEMES
+from qexp.core.config import QDQ_ONLY_SCHEMES, SCHEMES
 from qexp.data.windows import make_windows
 from qexp.eval.compare import sqnr_db
 from qexp.eval.perplexity import evaluate
@@ -167,7 +167,7 @@ def test_converting_in_row_chunks_gives_convert_pt2es_program(setup, compose, tm
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
     from qexp.quant.calibrate import OBSERVERS, load_observer_statistics, prepare
-    from qexp.timing import StageTimer
+    from qexp.core.timing import StageTimer
     from qexp.upstream import private_quantize
 
     static, calibration, windows, _ = setup

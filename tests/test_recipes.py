@@ -9,10 +9,11 @@ import torch
 
 from helpers import TINY, program_weights
 from qexp.cache import Cache
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 from qexp.models.sources import load_model
 from qexp.pipeline import prepare, validate
-from qexp.quant.grid import grid_for, static_module_path
+from qexp.models.shapes import static_module_path
+from qexp.quant.grid import grid_for
 
 # recipe preset -> the tiny family standing in for its model (same layer names; tiny dims divide every block size)
 RECIPES = {"recipe_qwen2_5_0_5b": "qwen2", "recipe_qwen3_0_6b": "qwen3", "recipe_llama3_2_1b": "llama",
@@ -42,7 +43,7 @@ def assert_program_on_grids(state) -> dict:
     seen = {}
     for key in layer_keys(state.model):
         grid = grid_for(state.cfg.quant, key)
-        name, expected = state.static.static_layout(key, grid.quantize(state.model.state_dict[key]))
+        name, expected = state.deploy_static.static_layout(key, grid.quantize(state.model.state_dict[key]))
         ints, scale = weights[name]
         rows = ints.reshape(ints.shape[0], -1).float()
         scale = scale.reshape(ints.shape[0], -1)

@@ -1,4 +1,4 @@
-"""Every extension point registers through one helper (qexp/registry.py) that refuses a name registered twice."""
+"""Every extension point registers through one helper (qexp/core/registry.py) that refuses a name registered twice."""
 
 from __future__ import annotations
 

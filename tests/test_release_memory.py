@@ -1,4 +1,4 @@
-"""qexp.timing.release_memory: what the deploy stage and the compile call between stages to hand freed heap pages
+"""qexp.core.timing.release_memory: what the deploy stage and the compile call between stages to hand freed heap pages
 back to the OS (its peak memory). Linux/glibc only, like the machines qexp runs on."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from qexp.timing import release_memory
+from qexp.core.timing import release_memory
 
 
 def _rss_mib() -> float:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qexp.cache import Cache
-from qexp.errors import InputError
+from qexp.core.errors import InputError
 
 RELEASED = ("llama3_2_1b", "llama3_2_3b", "qwen2_5_0_5b", "qwen2_5_1_5b", "qwen3_0_6b", "qwen3_1_7b", "gemma3_1b")
 

@@ -72,7 +72,7 @@ def test_sigkilled_sweep_is_reconciled_on_the_next_touch(cache_dir, store_uri, t
 
 
 def test_a_live_run_and_another_hosts_run_are_never_touched():
-    from qexp.tracking.liveness import death_reason, owner_tags
+    from qexp.core.liveness import death_reason, owner_tags
 
     mine = owner_tags()
     assert death_reason(mine) is None  # this very process is alive
@@ -87,8 +87,8 @@ def test_a_live_run_and_another_hosts_run_are_never_touched():
 
 def test_dead_runs_are_reconciled_the_next_time_qexp_touches_the_experiment(store_uri):
     """Without a watchdog (power loss, or it was killed too), the next connect to the experiment does it."""
-    from qexp.config import TrackingConfig
-    from qexp.tracking.liveness import owner_tags
+    from qexp.core.config import TrackingConfig
+    from qexp.core.liveness import owner_tags
     from qexp.tracking.store import Tracker
 
     client = MlflowClient(store_uri)

@@ -166,7 +166,7 @@ def test_report_refuses_runs_from_different_cpus():
 
 def test_cached_cpu_results_are_keyed_by_the_cpu_model(monkeypatch):
     """A cache shared between hosts must not serve one CPU's calibrated program or perplexities to another."""
-    import qexp.provenance as provenance
+    import qexp.core.provenance as provenance
 
     monkeypatch.setattr(provenance, "cpu_model", lambda: "Intel Xeon")
     intel = provenance.numerics_key()
@@ -178,7 +178,7 @@ def test_cached_cpu_results_are_keyed_by_the_mkl_branch(monkeypatch):
     """MKL_CBWR picks MKL's code branch, and the branches give different sgemm bits on one CPU (AVX2, COMPATIBLE and
     AUTO on an Intel Xeon host): a run with another branch must not read the pinned branch's cached results, and the
     pinned branch keeps the keys it always had; a table does not mix the branches either."""
-    import qexp.provenance as provenance
+    import qexp.core.provenance as provenance
     from qexp.report import ReportError, build_report
 
     monkeypatch.setattr(provenance, "cpu_model", lambda: "Intel Xeon")

@@ -115,7 +115,7 @@ def test_a_search_sweep_its_trials_front_and_recipes(tmp_path, cache_dir, store_
     ("quant=fp32", "needs a low precision"),
 ])
 def test_bad_search_input_is_refused_before_work(compose_search, override, message):
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
     from qexp.search.front import _directions
     from qexp.search.run import validate_search
 

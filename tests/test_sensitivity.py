@@ -38,7 +38,7 @@ def compose_sensitivity(cache_dir, store_uri):
 def test_the_analysis_config_is_the_run_config_plus_its_section(compose_sensitivity, compose):
     """conf/sensitivity.yaml composes conf/config.yaml: the quant group arrives whole (granularity, block size,
     annotations) less its overrides, and an experiment's config hash and params do not see the new section."""
-    from qexp.provenance import config_hash
+    from qexp.core.provenance import config_hash
 
     cfg = compose_sensitivity(["quant=16a4w_block", "quant.block_size=64"])
     quant = cfg.quant
@@ -48,7 +48,7 @@ def test_the_analysis_config_is_the_run_config_plus_its_section(compose_sensitiv
     from omegaconf import OmegaConf
 
     from qexp.cache import stable_hash
-    from qexp.provenance import without_later_defaults
+    from qexp.core.provenance import without_later_defaults
     from qexp.tracking.record import flatten
 
     run = compose(["quant=16a4w_block"], tracked=False)
@@ -249,7 +249,7 @@ def test_synthesis_finds_the_fewest_promotions_and_says_when_a_budget_cannot_be_
     (["algorithm=[weight_clip,rotation]", "sensitivity.low_weights=algorithms"], "would not keep the weight scales"),
 ])
 def test_bad_analysis_input_is_refused_before_work(compose_sensitivity, override, message):
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
     from qexp.sensitivity.analysis import validate_analysis
 
     with pytest.raises(ConfigError, match=re.escape(message)):

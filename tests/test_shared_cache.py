@@ -19,7 +19,7 @@ import pytest
 from helpers import REPO, TINY
 from qexp.cache import USES, Cache, lock_path
 from qexp.cache.lock import EntryLock
-from qexp.errors import CacheLockError
+from qexp.core.errors import CacheLockError
 
 SPAWN = mp.get_context("spawn")  # fresh interpreters: no lock state or threads inherited from pytest
 

@@ -101,7 +101,7 @@ def test_a_lost_jobs_run_ended_by_another_process_gets_slurms_account(tmp_path, 
     from omegaconf import OmegaConf
 
     from qexp.tracking import slurm_sweep
-    from qexp.tracking.liveness import KILLED_TAG
+    from qexp.core.liveness import KILLED_TAG
     from qexp.tracking.sweep import PARENT_TAG, SWEEP_FILE, SWEEP_FILE_ENV
 
     monkeypatch.delenv(SWEEP_FILE_ENV, raising=False)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from helpers import REPO, TINY
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 from qexp.speed import estimate_config, estimate_program
 from qexp.speed.bytes import Shapes, stream_bytes, weight_bytes
 from qexp.speed.data import published, quant_config
@@ -161,9 +161,9 @@ def compiled(compose, cache_dir, corpus):
     from qexp.backends.htp.lower import compile_pte
     from qexp.models import load_model
     from qexp.models.static_llama import StaticLlama
-    from qexp.provenance import library_versions
+    from qexp.core.provenance import library_versions
     from qexp.quant.calibrate import quantize
-    from qexp.timing import StageTimer
+    from qexp.core.timing import StageTimer
 
     model = load_model(compose(TINY + WIDE).model, Cache(cache_dir))
     shapes = Shapes.of(model.params)

@@ -52,7 +52,7 @@ def test_packed_requests_score_as_if_alone(tiny_state, phase):
 
     program = program_of(tiny_state, phase)
     rng = np.random.default_rng(0)
-    vocab = tiny_state.static.vocab_size
+    vocab = tiny_state.deploy_static.vocab_size
     requests = []
     for _ in range(5):
         context = rng.integers(0, vocab, rng.integers(3, 50)).tolist()
@@ -245,7 +245,7 @@ def test_the_generation_check_compares_each_phase_with_fp(compose, tiny_state):
     (["eval.task_paths=[/tmp]"], "eval.task_paths without eval.tasks"),
 ])
 def test_bad_task_settings_fail_before_any_work(compose, override, message):
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
     from qexp.pipeline import validate
 
     with pytest.raises(ConfigError, match=message):
@@ -253,7 +253,7 @@ def test_bad_task_settings_fail_before_any_work(compose, override, message):
 
 
 def test_a_task_folder_that_does_not_parse_is_named(compose, tmp_path):
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
     from qexp.pipeline import validate
 
     (tmp_path / "broken.yaml").write_text("task: broken\ndataset_path: json\n  bad: [\n")

@@ -14,12 +14,12 @@ from mlflow.tracking import MlflowClient
 
 from helpers import TINY
 from qexp.cache import Cache, file_sha256
-from qexp.config import TextConfig
+from qexp.core.config import TextConfig
 from qexp.data.calibration import build_calibration, check_disjoint
 from qexp.data.text import load_corpus
 from qexp.data.text_sources import AUSTEN, AUSTEN_NOVELS, GENSIM_EXCERPT, LEE_NEWS, WIKITEXT2, austen_path
 from qexp.data.windows import make_windows
-from qexp.errors import ConfigError, InputError
+from qexp.core.errors import ConfigError, InputError
 
 # The texts' sha256 (both halves): a change of split rule or cleaning must change these on purpose (and bump the
 # source's split version in qexp/data/text_sources.py, which keys the cached split).
@@ -46,7 +46,7 @@ def _shared_runs(corpus, n_words: int) -> set:
 
 def _check_run_sized_disjoint(corpus, tokenizer):
     """A run's calibration samples (spread over the calibration half) share no 24-token run with its windows."""
-    from qexp.config import CalibrationConfig, CalibrationKind, CalibrationSampling
+    from qexp.core.config import CalibrationConfig, CalibrationKind, CalibrationSampling
 
     windows = make_windows(corpus.joined("test"), tokenizer, 64, 16, True)
     for sampling in CalibrationSampling:

@@ -15,7 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from helpers import REPO, TINY, free_port
-from qexp.errors import TrackingError
+from qexp.core.errors import TrackingError
 from qexp.pipeline import run_experiment
 
 EXPECTED_METRICS = {
@@ -138,7 +138,7 @@ def test_unreachable_server_fails_fast(compose):
 
 def test_window_longer_than_model_context(compose):
     """The tiny model was built for 1024 positions: a 2048-token window is refused in one line."""
-    from qexp.errors import InputError
+    from qexp.core.errors import InputError
 
     cfg = compose(TINY + ["eval.seq_len=2048", "export.max_context_len=2048", "calibration.seq_len=64"])
     with pytest.raises(InputError, match="larger than the model's context"):
@@ -171,7 +171,7 @@ def test_credentials_never_reach_the_store_logs_or_outputs(mlflow_server, cache_
 
 
 def test_secret_named_settings_and_uri_credentials_are_masked():
-    from qexp.tracking.redact import redact, redact_text
+    from qexp.core.redact import redact, redact_text
 
     assert redact({"model": {"hf_token": "hf_abc", "path": "/m"}, "db_password": "pw", "n": 3}) == {
         "model": {"hf_token": "***", "path": "/m"}, "db_password": "***", "n": 3}
@@ -189,7 +189,7 @@ def test_secret_named_settings_and_uri_credentials_are_masked():
 
 def test_the_embedded_store_and_the_cache_are_private(tmp_path):
     from qexp.cache import Cache
-    from qexp.config import TrackingConfig
+    from qexp.core.config import TrackingConfig
     from qexp.tracking.store import Tracker
 
     Tracker(TrackingConfig(uri=f"sqlite:///{tmp_path / 'new.db'}", experiment="private")).connect()
@@ -204,7 +204,7 @@ def test_a_dataset_logged_by_two_jobs_at_once_is_linked_not_failed(store_uri, mo
     The race itself is what test_reliability's concurrent sweeps hit; here MLflow's first answer is replayed."""
     import mlflow.exceptions
 
-    from qexp.config import TrackingConfig
+    from qexp.core.config import TrackingConfig
     from qexp.tracking.store import Tracker
 
     real, calls = MlflowClient.log_inputs, []
@@ -231,8 +231,8 @@ def test_a_sweep_does_not_resume_from_a_run_its_config_is_refused_for_now(compos
     """A config that finished before a check that now refuses it (e.g. an HTP program with mixed KV cache widths,
     which computed garbage) is not skipped on a sweep's resume: the job runs again and fails, in a FAILED run that
     says why. A config still valid is skipped as before."""
-    from qexp.errors import ConfigError
-    from qexp.provenance import config_hash
+    from qexp.core.errors import ConfigError
+    from qexp.core.provenance import config_hash
     from qexp.tracking.store import Tracker
     from qexp.tracking.sweep import SweepJob
 
@@ -260,7 +260,7 @@ def test_a_sweep_does_not_resume_from_an_older_htp_exact_model(compose, store_ur
     """An eval.htp_exact run computed by an older model of HTP's arithmetic (its htp_exact_model tag differs, or is
     missing as on runs before the tag) is not skipped on a sweep's resume: its QDQ numbers are not this code's. One
     computed by the current model is skipped, and so is a fake-quant run whatever its tags."""
-    from qexp.provenance import config_hash
+    from qexp.core.provenance import config_hash
     from qexp.quant.htp_arithmetic_pass import MODELLED_OPS
     from qexp.tracking.store import Tracker
     from qexp.tracking.sweep import SweepJob

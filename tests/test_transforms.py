@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers import TINY
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 from qexp.pipeline import run_experiment, validate
 from qexp.transforms import ModelTransform, TransformConfig, register_transform
 

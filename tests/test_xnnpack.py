@@ -57,7 +57,7 @@ def test_cached_program_reused(compose):
     ("backend.threads=0", "threads"),
 ])
 def test_bad_options_rejected(compose, override, message):
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
     from qexp.pipeline import validate
 
     with pytest.raises(ConfigError, match=message):
@@ -65,7 +65,7 @@ def test_bad_options_rejected(compose, override, message):
 
 
 def test_qnn_scheme_with_xnnpack_rejected(compose):
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
     from qexp.pipeline import validate
 
     with pytest.raises(ConfigError, match="backend.qmode"):
@@ -74,7 +74,7 @@ def test_qnn_scheme_with_xnnpack_rejected(compose):
 
 # ---------------------------------------------------------------- the harness itself
 def test_speed_statistics_on_synthetic_workload():
-    from qexp.backends.speed import Generation, measure
+    from qexp.backends.bench import Generation, measure
 
     calls = []
 
@@ -96,7 +96,7 @@ def test_speed_statistics_on_synthetic_workload():
 
 
 def test_speed_statistics_exact():
-    from qexp.backends.speed import Generation, summarize
+    from qexp.backends.bench import Generation, summarize
 
     runs = [Generation([0, 1, 2], t, t, 2 * t, 4) for t in (0.1, 0.2, 0.3, 0.4, 0.5)]
     m = summarize(runs)
@@ -104,7 +104,7 @@ def test_speed_statistics_exact():
     assert m["prefill_tok_s"] == pytest.approx(4 / 0.3)
     assert m["decode_tok_s"] == pytest.approx(2 / 0.6) and m["decode_ms_per_token"] == pytest.approx(300)
     with pytest.raises(ValueError):
-        from qexp.backends.speed import measure
+        from qexp.backends.bench import measure
 
         measure(lambda: runs[0], warmup=0, repeats=0)
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # typing only: this module stays import-light (the config sch
     from qexp.models.loaded import LoadedModel
     from qexp.models.static_llama import StaticLlama
     from qexp.quant.calibrate import QuantizedModel
-    from qexp.timing import StageTimer
+    from qexp.core.timing import StageTimer
 
 # The SoC QnnQuantizer annotates for when no backend names one (a QDQ-only run).
 DEFAULT_SOC = "SM8650"
@@ -123,7 +123,7 @@ class Backend:
 
     def task_scorer(self, inputs: PhaseInputs):
         """The deployed program, built from the caches (or built), as a task scorer (qexp.tasks.deployed)."""
-        from qexp.errors import ConfigError
+        from qexp.core.errors import ConfigError
 
         raise ConfigError(f"backend={self.name} has no deployed program that scores tasks",
                           "use backend=xnnpack or backend=htp")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Type
 
 from qexp.backends.base import Backend
-from qexp.errors import ConfigError
-from qexp.registry import Registry
+from qexp.core.errors import ConfigError
+from qexp.core.registry import Registry
 
 BACKENDS: Registry[Type[Backend]] = Registry("backend")
 

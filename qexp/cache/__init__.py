@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional
 
+from qexp.core.hashing import stable_hash  # noqa: F401 - the cache keys' hash, imported from here by the stages
+
 log = logging.getLogger("qexp")
 
 COMPLETE = ".complete"  # the entry's metadata; its presence marks the entry complete
@@ -33,12 +35,6 @@ MANIFEST = ".manifest.json"  # {relative path: {"size": bytes, "xxh3": hex}} of 
 USES = ".uses.jsonl"  # one line per build or read: {"time": epoch s, "event": "build" | "hit", "run_id": ...}
 BOOKKEEPING = (COMPLETE, MANIFEST, USES)
 QUARANTINE = ".quarantine"
-
-
-def stable_hash(obj: Any, length: int = 16) -> str:
-    """Hash of a JSON-able object, independent of dict order."""
-    blob = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()[:length]
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -111,7 +107,7 @@ def check_cache_dir(root: str | os.PathLike) -> None:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check."):
             pass
     except OSError as exc:
-        from qexp.errors import ConfigError
+        from qexp.core.errors import ConfigError
 
         raise ConfigError(f"cache_dir={root} cannot be used: {exc.strerror or exc}",
                           "point cache_dir (or QEXP_CACHE_DIR) at a folder this user can create and write") from None
@@ -188,7 +184,7 @@ class Cache:
             except BaseException as exc:
                 shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
                 if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                    from qexp.errors import CacheFullError
+                    from qexp.core.errors import CacheFullError
 
                     raise CacheFullError(
                         f"no room to write the {kind} cache entry under {self.root} ({exc.strerror})",

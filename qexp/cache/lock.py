@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from qexp.errors import CacheLockError
-from qexp.tracking.liveness import pid_start
+from qexp.core.errors import CacheLockError
+from qexp.core.liveness import pid_start
 
 log = logging.getLogger("qexp")
 

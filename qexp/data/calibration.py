@@ -17,8 +17,8 @@ from typing import List
 
 import numpy as np
 
-from qexp.config import CalibrationConfig, CalibrationKind, CalibrationSampling
-from qexp.errors import ConfigError, InputError
+from qexp.core.config import CalibrationConfig, CalibrationKind, CalibrationSampling
+from qexp.core.errors import ConfigError, InputError
 from qexp.data.text import TextCorpus
 from qexp.data.windows import Windows, encode_prefix
 from qexp.models.tokenizer import Tokenizer

@@ -24,12 +24,12 @@ import os
 from dataclasses import dataclass
 
 from qexp.cache import Cache, file_sha256
-from qexp.config import CalibrationKind, TextConfig, TextSource
+from qexp.core.config import CalibrationKind, TextConfig, TextSource
 from qexp.data.text_sources import (_AUSTEN_SPLIT_VERSION, _NEWS_SPLIT_VERSION, _SPLIT_VERSION, AUSTEN,
                                      AUSTEN_PACKAGE, GENSIM_EXCERPT, LEE_NEWS, WIKITEXT2, _local_wikitext2,
                                      _parse_wiki_dump, _read_austen, _read_news, austen_path, gensim_excerpt_path,
                                      news_path)
-from qexp.errors import ConfigError, InputError
+from qexp.core.errors import ConfigError, InputError
 
 log = logging.getLogger("qexp")
 

@@ -10,7 +10,7 @@ import logging
 import os
 import re
 
-from qexp.errors import InputError
+from qexp.core.errors import InputError
 
 log = logging.getLogger("qexp")
 

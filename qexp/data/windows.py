@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from qexp.errors import InputError
+from qexp.core.errors import InputError
 from qexp.models.tokenizer import Tokenizer
 
 

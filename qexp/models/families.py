@@ -18,8 +18,8 @@ from typing import Callable, Dict, FrozenSet, Optional, Tuple
 
 import torch
 
-from qexp.errors import InputError
-from qexp.registry import Registry
+from qexp.core.errors import InputError
+from qexp.core.registry import Registry
 
 StateDict = Dict[str, torch.Tensor]
 

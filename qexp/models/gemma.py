@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from qexp.errors import InputError
+from qexp.core.errors import InputError
 from qexp.models.families import Family, StateDict, register_family
 
 _GEMMA3_ACTIVATIONS = ("gelu_pytorch_tanh",)  # upstream's act_fn "gelu_approx"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from qexp.errors import InputError
+from qexp.core.errors import InputError
 
 # Keys of any family's config.json that do not change what the model computes for a sequence of tokens, or that
 # qexp's loader reads itself (max_position_embeddings: the context check; vocab_size and the shape keys: every

@@ -9,7 +9,7 @@ the mapping of `qwen_2_5_hf_to_meta` for Qwen2 (its function needs torchtune). R
 
 from __future__ import annotations
 
-from qexp.errors import ConfigError, InputError
+from qexp.core.errors import ConfigError, InputError
 from qexp.models.families import Family, StateDict, llama_params, register_family
 
 

@@ -8,10 +8,18 @@ import json
 import os
 from typing import Dict, Optional, Tuple
 
-from qexp.config import ModelConfig, ModelSource
+from qexp.core.config import ModelConfig, ModelSource
 from qexp.models.families import FAMILIES, family_for_gguf_architecture, family_of_hf_architecture
 
 Shapes = Dict[str, Tuple[int, int]]  # Meta-layout weight name -> (out, in)
+
+
+def static_module_path(meta_key: str) -> str:
+    """The static llama module (1x1 conv) holding a Meta linear weight."""
+    if meta_key == "output.weight":
+        return "output.conv"
+    prefix, name, _ = meta_key.rsplit(".", 2)
+    return f"{prefix}.{name}_conv"
 
 
 def _qk_norm(family) -> bool:
@@ -98,3 +106,17 @@ def linear_shapes(cfg: ModelConfig) -> Optional[Shapes]:
     # channels, so an unknown vocabulary size is recorded as 0 output channels.
     shapes["output.weight"] = (max(int(d.get("vocab_size") or 0), 0), dim)
     return shapes
+
+
+def check_gpu_memory(cfg) -> None:
+    """check_fits for a run that resolves to CUDA: the model's shapes from its metadata, the GPU torch sees."""
+    import torch
+
+    from qexp.core.device import check_fits, resolved_name
+
+    wanted = cfg.get("device", "cpu")
+    trains = "qat" in (cfg.get("algorithm") or {}) and resolved_name(cfg.algorithm.qat.get("device", wanted)) == "cuda"
+    if not torch.cuda.is_available() or (resolved_name(wanted) != "cuda" and not trains):
+        return  # no GPU: check_device (or QAT's own check) has said so
+    props = torch.cuda.get_device_properties(0)
+    check_fits(model_dims(cfg.model), trains, props.total_memory / 2**30, props.name)

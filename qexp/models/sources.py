@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from qexp.cache import Cache, file_sha256, stable_hash
-from qexp.config import ModelConfig, ModelSource
-from qexp.errors import InputError, require_file
+from qexp.core.config import ModelConfig, ModelSource
+from qexp.core.errors import InputError, require_file
 from qexp.models.families import family_for_architecture
 from qexp.models.gguf_file import forget as forget_gguf_parse
 from qexp.models.gguf_file import transformers_reading_gguf_once

@@ -14,7 +14,7 @@ from typing import Sequence, Tuple
 import torch
 
 from qexp import upstream
-from qexp.errors import ConfigError, InputError
+from qexp.core.errors import ConfigError, InputError
 from qexp.models.loaded import LoadedModel
 
 log = logging.getLogger("qexp")
@@ -161,7 +161,7 @@ class StaticLlama:
     def static_layout(self, key: str, value: torch.Tensor) -> Tuple[str, torch.Tensor]:
         """A Meta-layout per-row tensor (a linear's weight, or its per-row ranges) -> (this module's parameter name,
         the rows in this module's order): q/k rows go to the RoPE layout when the arch uses it."""
-        from qexp.quant.grid import static_module_path
+        from qexp.models.shapes import static_module_path
 
         if self.transform_weight and key.endswith(("attention.wq.weight", "attention.wk.weight")):
             heads = self.args.n_heads if key.endswith("wq.weight") else self.args.n_kv_heads
@@ -215,7 +215,7 @@ class StaticLlama:
 def window_logits(module, static: StaticLlama, tokens: Sequence[int], device: torch.device | None = None
                   ) -> torch.Tensor:
     """Logits [len(tokens), vocab] of one window through `module` (eager static llama or its QDQ program), on the
-    CPU; computed on `device` (where qexp.device.placed put the module) when given."""
+    CPU; computed on `device` (where qexp.core.device.placed put the module) when given."""
     inputs = static.inputs(tokens)
     if device is not None and device.type != "cpu":
         inputs = tuple(t.to(device) for t in inputs)

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from qexp.cache import Cache, stable_hash
-from qexp.config import TinyModelSpec
-from qexp.errors import ConfigError
+from qexp.core.config import TinyModelSpec
+from qexp.core.errors import ConfigError
 
 # Bump when the content of a cached tiny model folder changes for the same spec.
 _TINY_CACHE_VERSION = 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import List, Optional, Sequence
 
-from qexp.errors import InputError
+from qexp.core.errors import InputError
 
 log = logging.getLogger("qexp")
 

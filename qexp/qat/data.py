@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from qexp.data.windows import encode_prefix
-from qexp.errors import InputError
+from qexp.core.errors import InputError
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 from qexp.quant.grid import SCALE_EPS, WeightGrid
 
 

@@ -1,7 +1,7 @@
 """Quantize + calibrate stage: QnnQuantizer -> prepare_pt2e -> calibrate -> convert_pt2e, cached.
 
 What is cached is the calibration's result and nothing else: every observer's statistics (a few MB), keyed by
-everything that determines them (qexp/provenance.py). The QDQ program is rebuilt from them on every run, cold or
+everything that determines them (qexp/core/provenance.py). The QDQ program is rebuilt from them on every run, cold or
 warm, by the same steps (export, prepare, load the statistics, convert), as the HTP backend builds its kv / prefill
 graphs from them. Caching the converted program instead cost 808 MB per SmolLM2 entry and ~56 s to save and reload,
 more than the ~20 s the rebuild takes.
@@ -19,13 +19,13 @@ import torch
 from tqdm import tqdm
 
 from qexp.cache import Cache
-from qexp.config import ObserverConfig, QuantConfig
+from qexp.core.config import ObserverConfig, QuantConfig
 from qexp.data.calibration import CalibrationSet
-from qexp.device import placed, to_device
+from qexp.core.device import placed, to_device
 from qexp.models.static_llama import StaticLlama
 from qexp.quant.lpbq import quantize_observer_scales
 from qexp.quant.recipe import make_quantizer
-from qexp.timing import StageTimer
+from qexp.core.timing import StageTimer
 from qexp.upstream.private_quantize import convert_in_chunks, forget_prepared_modules
 
 log = logging.getLogger("qexp")

@@ -15,9 +15,9 @@ from typing import Any, List
 
 import torch
 
-from qexp.config import (FLOAT_ACTIVATION_SCHEME, NO_QUANT, QDQ_ONLY_SCHEMES, ObserverConfig, ObserverKind,
+from qexp.core.config import (FLOAT_ACTIVATION_SCHEME, NO_QUANT, QDQ_ONLY_SCHEMES, ObserverConfig, ObserverKind,
                          QuantConfig, WeightRange)
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 
 _HEADER = '''"""{title}
 

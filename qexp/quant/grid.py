@@ -19,7 +19,8 @@ from typing import List, Optional
 
 import torch
 
-from qexp.config import NO_QUANT, BlockScaleRounding, Granularity
+from qexp.core.config import NO_QUANT, BlockScaleRounding, Granularity
+from qexp.models.shapes import static_module_path
 from qexp.quant.lpbq import quantize_block_scales
 
 SCALE_EPS = torch.finfo(torch.float32).eps  # the observers' eps (DEFAULT_EPS_FP32)
@@ -32,14 +33,6 @@ FEED_FORWARD = ("w1", "w2", "w3")
 def layer_linears(i: int) -> List[str]:
     return ([f"layers.{i}.attention.{n}.weight" for n in ATTENTION]
             + [f"layers.{i}.feed_forward.{n}.weight" for n in FEED_FORWARD])
-
-
-def static_module_path(meta_key: str) -> str:
-    """The static llama module (1x1 conv) holding a Meta linear weight."""
-    if meta_key == "output.weight":
-        return "output.conv"
-    prefix, name, _ = meta_key.rsplit(".", 2)
-    return f"{prefix}.{name}_conv"
 
 
 def override_weight_regex(pattern: str) -> str:
@@ -149,7 +142,7 @@ def _rounding(quant_cfg) -> BlockScaleRounding:
 
 def grid_tags(cfg) -> dict:
     """What the decoder's linears and the lm head were quantized to, and whether a QNN backend can run it."""
-    from qexp.config import QDQ_ONLY_SCHEMES
+    from qexp.core.config import QDQ_ONLY_SCHEMES
 
     weight_grid = grid_for(cfg.quant, "layers.0.attention.wq.weight").describe()
     if str(cfg.quant.get("weight_range", "narrow")).endswith("full") and weight_grid.startswith("int4"):
@@ -157,3 +150,10 @@ def grid_tags(cfg) -> dict:
     return {"weight_grid": weight_grid,
             "lm_head_grid": grid_for(cfg.quant, "output.weight").describe(),
             "deployable": str(cfg.quant.scheme not in QDQ_ONLY_SCHEMES).lower()}
+
+
+def grid_bits(grid) -> float:
+    """Storage bits per weight: an LPBQ block adds its 4-bit scale multiple shared by `block_size` weights
+    (block 16: 4.25 bits); per-channel scales are one per row (negligible)."""
+    block = getattr(grid, "block_size", None)
+    return grid.bits + (4.0 / block if block else 0.0)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from qexp.config import BlockScaleRounding
+from qexp.core.config import BlockScaleRounding
 
 SCALE_BITS = 4  # bitwidth_of_scale in ExecuTorch's make_qnn_per_block_config ("TODO: expand when QNN supports more")
 SCALE_STEPS = 2 ** SCALE_BITS

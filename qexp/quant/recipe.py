@@ -12,9 +12,9 @@ import re
 import torch
 
 from qexp import upstream
-from qexp.config import (FLOAT_ACTIVATION_SCHEME, NO_QUANT, QDQ_ONLY_SCHEMES, SCHEMES, Granularity, ObserverConfig,
+from qexp.core.config import (FLOAT_ACTIVATION_SCHEME, NO_QUANT, QDQ_ONLY_SCHEMES, SCHEMES, Granularity, ObserverConfig,
                          ObserverKind, QuantConfig, WeightRange)
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 from qexp.upstream.private_quantize import quantizer_keeping_hadamard_matmul
 
 _GRANULARITY = {
@@ -244,7 +244,8 @@ def check_overrides_match(quant: QuantConfig, shapes: dict) -> None:
     """Every override must select at least one weight layer of the model: a pattern that matches nothing (a typo, a
     layer name of another family) would silently leave the recipe at its default scheme. `shapes` as for
     check_block_sizes."""
-    from qexp.quant.grid import override_weight_regex, static_module_path, weight_layers
+    from qexp.models.shapes import static_module_path
+    from qexp.quant.grid import override_weight_regex, weight_layers
 
     if quant.scheme == NO_QUANT or not quant.overrides:
         return
@@ -266,7 +267,8 @@ def check_block_sizes(quant: QuantConfig, shapes: dict) -> None:
     """Every per-block weight's input channels must split into whole blocks: one line naming the layer and the sizes
     that would fit. `shapes`: Meta weight name -> shape, from the model's metadata before any work
     (qexp/models/shapes.py) and again from the loaded weights."""
-    from qexp.quant.grid import grid_for, static_module_path, weight_layers
+    from qexp.models.shapes import static_module_path
+    from qexp.quant.grid import grid_for, weight_layers
 
     if quant.scheme == NO_QUANT:
         return

@@ -8,7 +8,7 @@ from typing import List, Optional
 import numpy as np
 import pandas as pd
 
-from qexp.errors import QexpError
+from qexp.core.errors import QexpError
 
 
 class ReportError(QexpError):

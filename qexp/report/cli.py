@@ -20,8 +20,8 @@ from typing import List, Optional, Sequence
 
 import pandas as pd
 
-from qexp.errors import QexpError
-from qexp.provenance import REPO_ROOT
+from qexp.core.errors import QexpError
+from qexp.core.provenance import REPO_ROOT
 from qexp.report.base import Report
 from qexp.report.plots import PLOTS, plot
 from qexp.report.query import load_runs
@@ -97,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
     parser.add_argument("--layout", choices=("runs", "devices"), default="runs",
                         help="runs: one row per run (default); devices: one row per configuration and device, "
-                        "as the seeds' tables (QDQ on the CPU, HTP on the emulator, ...)")
+                        "its phases side by side (QDQ on the CPU, HTP on the emulator, ...)")
     parser.add_argument("--paired-vs", metavar="COLUMN=VALUE",
                         help="add a column: each run's QDQ perplexity against the run with COLUMN=VALUE and the same "
                         "configuration otherwise, on the same windows, with its 95%% interval (e.g. algorithm=RTN)")

@@ -1,15 +1,15 @@
 """The report's columns: name -> (MLflow column, header), the default table's and the extra ones, the metrics the CSV
-keeps, and how a `--columns` list resolves. Metric headers are the metric catalog's (qexp/eval/metrics.py)."""
+keeps, and how a `--columns` list resolves. Metric headers are the metric catalog's (qexp/core/metrics.py)."""
 
 from __future__ import annotations
 
 from typing import Dict, Optional, Sequence
 
-from qexp.eval.metrics import header
+from qexp.core.metrics import header
 
 
 def _metric(name: str) -> tuple[str, str]:
-    return f"metrics.{name}", header(name)  # the header is the metric catalog's (qexp/eval/metrics.py)
+    return f"metrics.{name}", header(name)  # the header is the metric catalog's (qexp/core/metrics.py)
 
 
 # column name -> (MLflow column, header); the default table, in the seeds' order

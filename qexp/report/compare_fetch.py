@@ -98,7 +98,7 @@ def _started(run) -> str:
 
 
 def run_summary(client, run) -> RunSummary:
-    from qexp.tracking.liveness import KILLED_TAG, death_reason
+    from qexp.core.liveness import KILLED_TAG, death_reason
 
     info, tags = run.info, run.data.tags
     warning = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from qexp.config import NO_QUANT
+from qexp.core.config import NO_QUANT
 from qexp.report.base import column
 
 DEVICE_OF_TARGET = {"x86_emulator": "HTP (x86 emulator)", "android": "HTP (phone)", "cpu": "XNNPACK (CPU)"}

@@ -18,8 +18,8 @@ from typing import Dict, List, Optional
 
 import pandas as pd
 
-from qexp.config import NO_QUANT
-from qexp.provenance import REPO_ROOT
+from qexp.core.config import NO_QUANT
+from qexp.core.provenance import REPO_ROOT
 
 RESULTS = REPO_ROOT / "results"
 MANIFEST = RESULTS / "leaderboard.yaml"
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     import shlex
     import sys
 
-    from qexp.errors import QexpError
+    from qexp.core.errors import QexpError
 
     parser = argparse.ArgumentParser(prog="python -m qexp.report leaderboard", description=__doc__.splitlines()[0])
     parser.add_argument("--tracking-uri", help="rank a store's runs instead of the committed tables")

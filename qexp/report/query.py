@@ -62,7 +62,7 @@ def with_current_names(runs: pd.DataFrame) -> pd.DataFrame:
 
 def default_tracking_uri() -> str:
     """$MLFLOW_TRACKING_URI or the embedded store, as the runs resolve it."""
-    from qexp.config import TrackingConfig
+    from qexp.core.config import TrackingConfig
     from qexp.tracking.address import resolve_uri
 
     return resolve_uri(TrackingConfig())

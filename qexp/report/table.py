@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from qexp.config import NO_QUANT
+from qexp.core.config import NO_QUANT
 from qexp.report.columns import CSV_METRICS, EXTRA_COLUMNS, MIXED_COLUMNS, resolve_columns
 from qexp.report.base import Report, ReportError, algorithms_from_params, column
 from qexp.report.speeds import EMULATED, SPEEDS, speed_columns, speed_headers  # noqa: F401 - EMULATED for others
@@ -28,9 +28,10 @@ COMPARABILITY = {
     "tags.numerics.cpu_capability": "CPU kernels",
     # MKL's code branch (MKL_CBWR): another branch gives other sgemm bits on the same CPU (qexp/__init__.py)
     "tags.numerics.mkl_cbwr": "MKL branch",
-    # the CPU model: with the same kernels an Intel and an AMD host calibrate to different programs (qexp/provenance.py)
+    # the CPU model: with the same kernels an Intel and an AMD host calibrate to different programs
+    # (qexp/core/provenance.py)
     "tags.cpu": "CPU",
-    # where the torch phases ran (qexp/device.py): CUDA's kernels round differently from the CPU's
+    # where the torch phases ran (qexp/core/device.py): CUDA's kernels round differently from the CPU's
     "tags.device": "device",
 }
 def derived_columns(runs: pd.DataFrame) -> pd.DataFrame:
@@ -126,7 +127,7 @@ def _data(runs: pd.DataFrame, chosen: Dict[str, tuple[str, str]]) -> pd.DataFram
     # there is one, else the weights at their quantized widths
     data["size_mb"] = (pd.to_numeric(column(runs, "metrics.pte_bytes"), errors="coerce") / 1e6).values
     data["size_mb"] = data["size_mb"].fillna(data["weights_mb"])
-    # one model's rows together, largest (least quantized) first, like the seeds' tables
+    # one model's rows together, largest (least quantized) first, as the field's published tables order them
     sort = (["model"] if "model" in data else []) + ["size_mb"]
     return data.sort_values(sort, ascending=[True] * (len(sort) - 1) + [False], kind="stable").reset_index(drop=True)
 

@@ -32,7 +32,7 @@ def _what_if(cfg, soc: str) -> Optional[dict]:
     from omegaconf import OmegaConf
 
     from qexp.backends.htp.config import HtpConfig
-    from qexp.config import NO_QUANT, QDQ_ONLY_SCHEMES, ModelConfig, QuantConfig
+    from qexp.core.config import NO_QUANT, QDQ_ONLY_SCHEMES, ModelConfig, QuantConfig
     from qexp.speed import estimate_config, model_shapes
 
     quant = OmegaConf.merge(OmegaConf.structured(QuantConfig), cfg.quant)

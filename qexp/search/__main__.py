@@ -11,9 +11,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-import qexp.backends  # noqa: F401 - registers the config schemas (qexp.config's and each backend's)
-from qexp.errors import one_line
-from qexp.tracking.redact import mask_log_records
+import qexp.backends  # noqa: F401 - registers the config schemas (qexp.core.config's and each backend's)
+from qexp.core.errors import one_line
+from qexp.core.redact import mask_log_records
 
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 mask_log_records()

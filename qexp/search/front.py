@@ -20,8 +20,8 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from qexp.search.config import OBJECTIVE_METRICS, SEARCH_KINDS, SEARCH_OBJECTIVES
-from qexp.eval.metrics import check as check_metrics
+from qexp.core.search_config import OBJECTIVE_METRICS, SEARCH_KINDS, SEARCH_OBJECTIVES
+from qexp.core.metrics import check as check_metrics
 
 log = logging.getLogger("qexp")
 
@@ -66,7 +66,7 @@ def _directions(config: DictConfig) -> List[str]:
 
 class SearchCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from qexp.errors import ConfigError, QexpError
+        from qexp.core.errors import ConfigError, QexpError
         from qexp.search.run import validate_search
 
         try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence, Tuple
 
-from qexp.search.config import SEARCH_KINDS, SEARCH_OBJECTIVES
-from qexp.errors import ConfigError
+from qexp.core.search_config import SEARCH_KINDS, SEARCH_OBJECTIVES
+from qexp.core.errors import ConfigError
 
 log = logging.getLogger("qexp")
 
@@ -16,7 +16,7 @@ ROLE = "search_trial"
 def validate_search(cfg, directions: Optional[Sequence[str]] = None) -> None:
     """One line for a search config that cannot work, before any model is loaded. `directions`: the sweeper's."""
     from qexp.sensitivity.analysis import high_grid, low_grid, validate_analysis
-    from qexp.sensitivity.groups import grid_bits
+    from qexp.quant.grid import grid_bits
     from qexp.speed import check_soc, model_shapes
 
     s = cfg.search
@@ -60,7 +60,7 @@ def recipe_name(cfg, bits: float) -> str:
 
 def run_trial(cfg, job=None) -> Tuple[str, object]:
     """Measure the config's point as one tracked run; returns (run id, TrialResult)."""
-    from qexp.provenance import config_hash, environment_tags
+    from qexp.core.provenance import config_hash, environment_tags
     from qexp.search.trial import evaluator_for
     from qexp.sensitivity.synthesis import recipe_yaml
     from qexp.tracking.runlog import captured_log

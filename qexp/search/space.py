@@ -14,7 +14,7 @@ import logging
 import warnings
 from typing import Dict, List
 
-from qexp.search.config import SEARCH_KINDS
+from qexp.core.search_config import SEARCH_KINDS
 
 log = logging.getLogger("qexp")
 

@@ -17,7 +17,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from qexp.cache import stable_hash
-from qexp.search.config import SEARCH_KINDS
+from qexp.core.search_config import SEARCH_KINDS
 from qexp.sensitivity.groups import grids_for
 from qexp.sensitivity.replay import perplexity
 

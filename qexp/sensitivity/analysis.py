@@ -17,10 +17,11 @@ import numpy as np
 import pandas as pd
 
 from qexp.cache import stable_hash
-from qexp.config import NO_QUANT, BlockScaleRounding, Granularity
-from qexp.sensitivity.config import SENSITIVITY_VIEWS
-from qexp.errors import ConfigError
-from qexp.sensitivity.groups import Group, grid_bits, grids_for, model_groups, select_groups
+from qexp.core.config import NO_QUANT, BlockScaleRounding, Granularity
+from qexp.core.sensitivity_config import SENSITIVITY_VIEWS
+from qexp.core.errors import ConfigError
+from qexp.quant.grid import grid_bits
+from qexp.sensitivity.groups import Group, grids_for, model_groups, select_groups
 from qexp.sensitivity.program import analysed_model, program_weights, start_model, validate_low_weights
 from qexp.quant.grid import WeightGrid, weight_bits
 
@@ -114,10 +115,10 @@ def selection_windows(state, cfg, selection=None, key: str = "sensitivity.select
 
 def analyse(cfg, progress=log.info) -> Analysis:
     """The whole analysis of `cfg` (validated): the run's stages up to its transforms, then the measurements."""
-    from qexp.device import device_key, move
+    from qexp.core.device import device_key, move
     from qexp.models.static_llama import StaticLlama
     from qexp.pipeline import prepare
-    from qexp.provenance import library_versions
+    from qexp.core.provenance import library_versions
 
     state = prepare(cfg, through="transform")
     s = cfg.sensitivity
@@ -127,9 +128,10 @@ def analyse(cfg, progress=log.info) -> Analysis:
     low, high = low_grid(cfg.quant), high_grid(s.high)
     if s.low_weights == "algorithms":
         start = start_model(state)
-        program = program_weights(start, state.deploy_model, state.static, groups, cfg.quant, low)
+        program = program_weights(start, state.deploy_model, state.deploy_static, groups, cfg.quant, low)
         model = analysed_model(start, state.deploy_model, groups)
-    key = {"model": model.fingerprint, "r3": state.static.r3, "masked_softmax": state.static.masked_softmax,
+    deployed = state.deploy_static
+    key = {"model": model.fingerprint, "r3": deployed.r3, "masked_softmax": deployed.masked_softmax,
            "low": low.describe(), "high": high.describe(), "groups": [g.name for g in groups],
            "views": sorted(s.views), "selection": selection.sha256, "versions": library_versions(),
            "version": ANALYSIS_VERSION}

@@ -14,8 +14,9 @@ from typing import List, Optional
 
 import torch
 
-from qexp.errors import ConfigError
-from qexp.quant.grid import WeightGrid, static_module_path
+from qexp.core.errors import ConfigError
+from qexp.models.shapes import static_module_path
+from qexp.quant.grid import WeightGrid
 
 # Meta linear name -> the name a researcher uses for it
 PROJECTIONS = {"wq": "q", "wk": "k", "wv": "v", "wo": "o", "w1": "gate", "w3": "up", "w2": "down"}
@@ -115,9 +116,3 @@ def _numel(shape) -> int:
         n *= int(s)
     return n
 
-
-def grid_bits(grid) -> float:
-    """Storage bits per weight: an LPBQ block adds its 4-bit scale multiple shared by `block_size` weights
-    (block 16: 4.25 bits); per-channel scales are one per row (negligible)."""
-    block = getattr(grid, "block_size", None)
-    return grid.bits + (4.0 / block if block else 0.0)

@@ -21,7 +21,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 from qexp.quant.lpbq import quantize_block_scales
 from qexp.sensitivity.groups import Group
 from qexp.quant.grid import SCALE_EPS, WeightGrid, grid_for, weight_layers
@@ -47,7 +47,7 @@ def split_algorithms(transforms: list) -> Tuple[list, list]:
 
 def validate_low_weights(cfg, transforms: list) -> None:
     """`transforms`: the run's algorithms (pipeline.validate's RunPlan)."""
-    from qexp.sensitivity.config import LOW_WEIGHTS
+    from qexp.core.sensitivity_config import LOW_WEIGHTS
 
     mode = cfg.sensitivity.low_weights
     if mode not in LOW_WEIGHTS:

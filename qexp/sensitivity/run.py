@@ -22,7 +22,7 @@ log = logging.getLogger("qexp")
 
 def run_analysis(cfg) -> tuple[str, Analysis, List[Recipe]]:
     """Validate, then the tracked run. Returns (run id, analysis, recipes)."""
-    from qexp.provenance import config_hash, environment_tags
+    from qexp.core.provenance import config_hash, environment_tags
     from qexp.tracking.runlog import captured_log
     from qexp.tracking.record import config_yaml, flatten
     from qexp.tracking.store import Tracker
@@ -48,7 +48,7 @@ def run_analysis(cfg) -> tuple[str, Analysis, List[Recipe]]:
 
 def recipe_measure(cfg, analysis: Analysis):
     """promoted group names -> ppl / ppl_fp - 1 on the selection windows (weights fake-quantized, one forward)."""
-    from qexp.device import move
+    from qexp.core.device import move
     from qexp.models.static_llama import StaticLlama
     from qexp.sensitivity.groups import grids_for
     from qexp.sensitivity.measure import GroupWeights

@@ -50,7 +50,7 @@ def _estimate(shapes: Shapes, decode: StreamBytes, prefill: Optional[StreamBytes
 
 def model_shapes(model_cfg) -> Shapes:
     """A configured model's shapes from its metadata (no weight is loaded), or a ConfigError saying what to give."""
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
     from qexp.models.shapes import model_dims
 
     dims = model_dims(model_cfg)
@@ -64,7 +64,7 @@ def model_shapes(model_cfg) -> Shapes:
 def weight_size_metrics(cfg) -> dict:
     """Bits per decoder-linear weight and the HTP storage of the weights (qexp/speed/bytes.py: weight_size), from
     the model's shapes and the quant config; none for a model whose metadata does not give its shapes."""
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
     from qexp.speed.bytes import weight_size
 
     try:

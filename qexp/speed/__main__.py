@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import List
 
-from qexp.errors import ConfigError, QexpError
+from qexp.core.errors import ConfigError, QexpError
 
 
 def compose(overrides: List[str]):
@@ -25,7 +25,7 @@ def compose(overrides: List[str]):
 
 def check_deployable(cfg) -> None:
     """A config HTP cannot run, in one line: no HTP backend, no quantization, or a QDQ-only scheme."""
-    from qexp.config import NO_QUANT, QDQ_ONLY_SCHEMES
+    from qexp.core.config import NO_QUANT, QDQ_ONLY_SCHEMES
 
     if cfg.backend.name != "htp":
         raise ConfigError(f"backend={cfg.backend.name}: the speed estimate is HTP's", "leave backend out (htp)")

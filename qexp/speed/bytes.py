@@ -93,7 +93,7 @@ def weight_bytes(out: int, cols: int, grid) -> float:
 
 def kv_bits(quant) -> int:
     """Bits of the KV caches: 8 with upstream's annotate_kv_8bit, else the scheme's activation bits."""
-    from qexp.config import KV_8BIT_ANNOTATION
+    from qexp.core.config import KV_8BIT_ANNOTATION
 
     if KV_8BIT_ANNOTATION in list(quant.custom_annotations):
         return 8
@@ -125,7 +125,7 @@ def weight_size(shapes: Shapes, quant) -> dict:
     """The weights as the HTP program stores them, one size measure for any recipe: average bits per decoder-linear
     weight (an LPBQ block's 4-bit scale counted, per-channel scales not), and MB of the decoder linears, the lm head
     and the embedding table (per tensor at the activation bits, as QnnQuantizer quantizes it) said apart."""
-    from qexp.sensitivity.groups import grid_bits
+    from qexp.quant.grid import grid_bits
 
     decoder_bytes = decoder_weights = decoder_bits = lm_head_bytes = lm_head_bits = 0.0
     for name, (out, cols) in shapes.linears().items():

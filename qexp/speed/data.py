@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from qexp.errors import ConfigError
-from qexp.provenance import REPO_ROOT
+from qexp.core.errors import ConfigError
+from qexp.core.provenance import REPO_ROOT
 from qexp.speed.bytes import Shapes, StreamBytes, stream_bytes
 
 DATA_FILE = Path(__file__).with_name("published.yaml")
@@ -108,7 +108,7 @@ def quant_config(name: str):
     """conf/quant/<name>.yaml merged onto the quant schema (what grid_for reads)."""
     from omegaconf import OmegaConf
 
-    from qexp.config import QuantConfig
+    from qexp.core.config import QuantConfig
 
     path = CONF_QUANT / f"{name}.yaml"
     if not path.is_file():

@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from qexp.errors import QexpError
+from qexp.core.errors import QexpError
 
 
 def build(out: str, texts) -> None:
@@ -37,7 +37,7 @@ def build(out: str, texts) -> None:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["lm_eval"]:
-        import qexp.tasks.cli_model  # noqa: F401 - registers --model qexp
+        import qexp.lm_eval_model  # noqa: F401 - registers --model qexp
         from lm_eval.__main__ import cli_evaluate
 
         sys.argv = ["lm_eval", *argv[1:]]

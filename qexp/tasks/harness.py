@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import pandas as pd
 
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 from qexp.tasks.offline import KINDS, TEXTS, parse_task_name
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from qexp.device import move
+from qexp.core.device import move
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 from qexp.tasks.head_rows import head_rows
 from qexp.tasks.packing import PackedScorer
 
@@ -41,15 +41,11 @@ def qdq_program(state) -> PhaseProgram:
 
 def deployed_program(state) -> PhaseProgram:
     """The run's deployed program from the caches (built where missing), scoring one request per call."""
-    from qexp.backends.base import PhaseInputs
-    from qexp.provenance import library_versions
-
     if not state.backend.deploys:
         raise ConfigError(f"phase=deployed: backend={state.cfg.backend.name} deploys nothing",
                           "use backend=xnnpack or backend=htp, or phase=fp / qdq")
-    inputs = PhaseInputs(state.cfg, state.deploy_model, state.windows, state.fp, state.qdq, state.cache, state.timer,
-                         library_versions())
-    return PhaseProgram("deployed", state.backend.task_scorer(inputs), state.model.tokenizer, state.model.add_bos)
+    scorer = state.backend.task_scorer(state.phase_inputs())
+    return PhaseProgram("deployed", scorer, state.model.tokenizer, state.model.add_bos)
 
 
 def program_of(state, phase: str) -> PhaseProgram:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import logging
 from typing import List
 
-from qexp.provenance import fp_task_key
+from qexp.core.provenance import fp_task_key
 from qexp.tasks.harness import TaskResult, cached_task_result, evaluate_tasks, paired_task_deltas
 from qexp.tasks.lm import QexpLM
 from qexp.tasks.programs import fp_program, qdq_program
 from qexp.tasks.suite import prepare_suite
-from qexp.timing import release_memory
+from qexp.core.timing import release_memory
 
 log = logging.getLogger("qexp")
 

@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 from typing import Iterator, Optional
 
-from qexp.config import TrackingConfig
-from qexp.provenance import REPO_ROOT
+from qexp.core.config import TrackingConfig
+from qexp.core.provenance import REPO_ROOT
 
 
 def embedded_store_uri(root: Path = REPO_ROOT) -> str:

@@ -11,8 +11,8 @@ import os
 import secrets
 from pathlib import Path
 
-from qexp.errors import TrackingError
-from qexp.tracking.redact import redact_text
+from qexp.core.errors import TrackingError
+from qexp.core.redact import redact_text
 
 PERMISSIONS = ("read", "edit", "manage", "none")  # MLflow's READ, EDIT, MANAGE, NO_PERMISSIONS
 

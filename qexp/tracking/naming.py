@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Sequence
 
 from omegaconf import DictConfig
 
-from qexp.config import NO_QUANT
+from qexp.core.config import NO_QUANT
 
 NOTE_TAG = "mlflow.note.content"  # the run's / experiment's description in the MLflow UI
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
@@ -67,7 +67,7 @@ def _algorithm_name(algorithm_cfg, transforms: Optional[list] = None) -> str:
     fails the run with the reason)."""
     if not algorithm_cfg:
         return "RTN"
-    from qexp.errors import ConfigError
+    from qexp.core.errors import ConfigError
     from qexp.transforms import algorithm_label, build_transforms
 
     if transforms is not None:

@@ -7,7 +7,7 @@ from typing import Dict
 
 from omegaconf import DictConfig, OmegaConf
 
-from qexp.tracking.redact import redact
+from qexp.core.redact import redact
 
 
 def config_yaml(cfg: DictConfig) -> str:

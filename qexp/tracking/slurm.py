@@ -25,7 +25,7 @@ import subprocess
 import time
 from typing import Optional
 
-from qexp.tracking.liveness import slurm_job_id
+from qexp.core.liveness import slurm_job_id
 
 log = logging.getLogger("qexp")
 

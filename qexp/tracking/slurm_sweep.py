@@ -14,7 +14,7 @@ def end_lost_job(launcher, overrides: Sequence[str], num: int, job, error: BaseE
     import mlflow
     from hydra.core.utils import JobReturn, JobStatus
 
-    from qexp.tracking.liveness import KILLED_TAG
+    from qexp.core.liveness import KILLED_TAG
     from qexp.tracking.sweep import PARENT_TAG, SweepJob, read_sweep_file
 
     account = sacct_state(job.job_id)
@@ -60,7 +60,7 @@ def submission_failed(launcher, error: BaseException) -> BaseException:
     """sbatch refused the sweep: end the sweep's parent run FAILED with sbatch's words; the error to raise."""
     import mlflow
 
-    from qexp.errors import QexpError
+    from qexp.core.errors import QexpError
     from qexp.tracking.sweep import read_sweep_file
 
     lines = [line for line in str(error).splitlines() if "error" in line.lower() or "fatal" in line.lower()]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from qexp.tracking.redact import redact_text
+from qexp.core.redact import redact_text
 
 RECORD = "record.jsonl"
 REPLAYED = ".replayed"
@@ -109,7 +109,7 @@ def replay(folder: Path, senders: Dict[str, Callable], uri: Optional[str] = None
         counts[op] = counts.get(op, 0) + _items(op, write)
         status = write["status"] if op == "end" else status
         spooled_tags |= set(write.get("tags", {})) if op == "tags" else set()
-    from qexp.tracking.liveness import KILLED_TAG
+    from qexp.core.liveness import KILLED_TAG
 
     if status is not None and KILLED_TAG in run.data.tags and KILLED_TAG not in spooled_tags:
         # a qexp process on this host found the run RUNNING with its process gone, before this replay, and marked

@@ -16,10 +16,10 @@ from typing import Any, Dict, Optional
 
 import mlflow
 
-from qexp.config import TrackingConfig
-from qexp.errors import TrackingError
-from qexp.eval.metrics import check as check_metrics
-from qexp.provenance import REPO_ROOT
+from qexp.core.config import TrackingConfig
+from qexp.core.errors import TrackingError
+from qexp.core.metrics import check as check_metrics
+from qexp.core.provenance import REPO_ROOT
 from qexp.tracking.address import embedded_store_uri, resolve_uri, sqlite_initialised_once
 from qexp.tracking.naming import (
     EXPERIMENT_DESCRIPTION,
@@ -29,7 +29,7 @@ from qexp.tracking.naming import (
     failed_description,
 )
 from qexp.tracking.logins import raise_if_refused
-from qexp.tracking.redact import redact_text
+from qexp.core.redact import redact_text
 from qexp.tracking.ui_view import VIEW_TAG, view_json
 
 log = logging.getLogger("qexp")
@@ -42,7 +42,7 @@ _RECONCILED: set = set()  # (store, experiment) pairs this process has reconcile
 
 def reconcile_once(uri: str, experiment_id: str) -> None:
     """Mark this host's dead RUNNING runs of the experiment KILLED, once per process (see liveness.py)."""
-    from qexp.tracking.liveness import reconcile
+    from qexp.core.liveness import reconcile
 
     if (uri, experiment_id) not in _RECONCILED:
         _RECONCILED.add((uri, experiment_id))
@@ -165,7 +165,7 @@ class Tracker:
     def start(self, run_name: Optional[str], tags: Dict[str, str]) -> str:
         from mlflow.tracking.context.registry import resolve_tags
 
-        from qexp.tracking.liveness import owner_tags
+        from qexp.core.liveness import owner_tags
         from qexp.tracking.writer import RunWriter
 
         global _WRITER
@@ -216,7 +216,7 @@ class Tracker:
         """End the active run FAILED, with the error as a tag and the full traceback as an artifact."""
         if self.run_id is None:
             return
-        from qexp.tracking.liveness import KILLED_TAG
+        from qexp.core.liveness import KILLED_TAG
         from qexp.tracking.slurm import JobTerminated, slurm_reason
 
         if isinstance(exc, JobTerminated):  # SLURM ended the job: KILLED, with what SLURM says of it

@@ -24,9 +24,9 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from qexp.eval.metrics import check as check_metrics
+from qexp.core.metrics import check as check_metrics
 from qexp.tracking.naming import NOTE_TAG, sweep_description
-from qexp.tracking.redact import redact, redact_text
+from qexp.core.redact import redact, redact_text
 
 log = logging.getLogger("qexp")
 
@@ -138,7 +138,7 @@ def _fail_loudly(method):
 
     @functools.wraps(method)
     def wrapper(self, config: DictConfig, **kwargs: Any) -> None:
-        from qexp.errors import QexpError
+        from qexp.core.errors import QexpError
 
         try:
             return method(self, config, **kwargs)
@@ -164,7 +164,7 @@ class SweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from mlflow.tracking import MlflowClient
 
-        from qexp.tracking.liveness import owner_tags
+        from qexp.core.liveness import owner_tags
         from qexp.tracking.store import Tracker
 
         sweep_dir = Path(config.hydra.sweep.dir).resolve()

@@ -60,7 +60,7 @@ def _main(pid: int, uri: str) -> None:
         return
     from mlflow.tracking import MlflowClient
 
-    from qexp.tracking.liveness import reconcile
+    from qexp.core.liveness import reconcile
 
     client = MlflowClient(uri)
     for experiment_id in experiments:

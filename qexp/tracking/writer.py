@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict
 
-from qexp.tracking.redact import redact_text
+from qexp.core.redact import redact_text
 
 log = logging.getLogger("qexp")
 

@@ -8,7 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING, List
 
 from qexp.cache import stable_hash
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 from qexp.transforms.base import ModelTransform, TransformContext, model_transforms
 
 if TYPE_CHECKING:
@@ -19,7 +19,7 @@ def apply_transforms(model: "LoadedModel", transforms: List[ModelTransform],
                      context: TransformContext) -> "LoadedModel":
     """Apply the model transforms in order; each result's fingerprint is the hash of its input's and the
     transform's (settings, calibration data, grid, and a CUDA device)."""
-    from qexp.device import device_key
+    from qexp.core.device import device_key
 
     for transform in model_transforms(transforms):
         key = {**transform.fingerprint(), **transform.grid_dependency(context.cfg)}
@@ -51,7 +51,7 @@ def _cached_apply(transform: ModelTransform, model: "LoadedModel", context: Tran
     weight ranges); an entry is complete or absent (a failing transform leaves nothing)."""
     import torch
 
-    from qexp.provenance import library_versions, numerics_key
+    from qexp.core.provenance import library_versions, numerics_key
 
     key = stable_hash({"version": TRANSFORM_CACHE_VERSION, "fingerprint": fingerprint, "numerics": numerics_key(),
                        "versions": library_versions()}, length=24)

@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from tqdm import tqdm
 
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 from qexp.transforms.base import GridSearchTransform, TransformConfig, register_transform
 from qexp.transforms.capture import LayerByLayer
 from qexp.quant.grid import WeightGrid, grid_for

@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional,
 
 from omegaconf import OmegaConf
 
-from qexp.config import NO_QUANT
-from qexp.errors import ConfigError
-from qexp.registry import Registry
+from qexp.core.config import NO_QUANT
+from qexp.core.errors import ConfigError
+from qexp.core.registry import Registry
 
 if TYPE_CHECKING:
     from qexp.cache import Cache
     from qexp.data.calibration import CalibrationSet
     from qexp.models.loaded import LoadedModel
-    from qexp.timing import StageTimer
+    from qexp.core.timing import StageTimer
 
 
 @dataclass
@@ -56,7 +56,7 @@ class TransformContext:
     # curves while a transform trains ({metric name: [(step, value), ...]} so far): a tracked run logs them as they
     # come; None: nobody watches
     progress: Optional[Callable[[Dict[str, list]], None]] = None
-    # where the algorithms compute (the run's `device`, qexp/device.py); their results come back as CPU tensors
+    # where the algorithms compute (the run's `device`, qexp/core/device.py); their results come back as CPU tensors
     device: Any = None
 
 
@@ -104,7 +104,7 @@ class ModelTransform:
         """What determines this transform's output besides the input model (its settings; the calibration data's hash
         is added by `apply_transforms` when it needs calibration). Settings added later are left out at their
         default (provenance.LATER_DEFAULTS), so results cached before they existed stay valid."""
-        from qexp.provenance import without_later_defaults
+        from qexp.core.provenance import without_later_defaults
 
         config = OmegaConf.to_container(self.config, resolve=True, enum_to_str=True) if OmegaConf.is_config(
             self.config) else dataclasses.asdict(self.config)

@@ -44,7 +44,7 @@ class _StopForward(Exception):
 class LayerByLayer:
     @torch.no_grad()
     def __init__(self, static: "StaticLlama", samples: Iterable, device: Optional[torch.device] = None):
-        from qexp.device import move, to_device
+        from qexp.core.device import move, to_device
 
         self.device = device or torch.device("cpu")
         if self.device.type != "cpu":

@@ -21,9 +21,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 from qexp.transforms.base import GridSearchTransform, TransformConfig, register_transform
-from qexp.quant.grid import grid_for, static_module_path, weight_layers
+from qexp.models.shapes import static_module_path
+from qexp.quant.grid import grid_for, weight_layers
 
 log = logging.getLogger("qexp")
 
@@ -104,7 +105,7 @@ class Qat(GridSearchTransform):
         return int(self.config.seq_len or cfg.export.max_context_len)
 
     def device(self) -> torch.device:
-        from qexp.device import resolved_name
+        from qexp.core.device import resolved_name
 
         return torch.device(resolved_name(self.config.device))
 
@@ -208,7 +209,7 @@ class Qat(GridSearchTransform):
 
 
 def _has_block_grid(quant) -> bool:
-    from qexp.config import Granularity
+    from qexp.core.config import Granularity
 
     return quant.weight_granularity == Granularity.per_block or any(
         o.granularity == Granularity.per_block for o in quant.overrides)

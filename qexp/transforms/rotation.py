@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 from qexp.transforms.base import ModelTransform, TransformConfig, register_transform
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qexp.config import NO_QUANT
-from qexp.errors import ConfigError
+from qexp.core.config import NO_QUANT
+from qexp.core.errors import ConfigError
 from qexp.transforms.base import CalibrationAlgorithm, TransformConfig, register_transform
 
 
@@ -33,7 +33,7 @@ class SeqMse(CalibrationAlgorithm):
     version = 2  # 2: searches against the LPBQ block scales (quant.block_scale_rounding), not the float ones
 
     def validate(self, cfg) -> None:
-        from qexp.config import Granularity
+        from qexp.core.config import Granularity
         from qexp.transforms.base import refuse_two_bit_weights
 
         if cfg.quant.scheme == NO_QUANT:
@@ -47,7 +47,7 @@ class SeqMse(CalibrationAlgorithm):
             raise ConfigError(f"algorithm.seq_mse.candidates={self.config.candidates}", "use at least 1 candidate")
 
     def calibrate(self, prepared, static, calibration, device) -> None:
-        from qexp.device import to_device
+        from qexp.core.device import to_device
         from qexp.upstream.private_quantize import seq_mse_search
 
         sample = calibration.samples[0]

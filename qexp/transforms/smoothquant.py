@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qexp.config import NO_QUANT
-from qexp.errors import ConfigError
+from qexp.core.config import NO_QUANT
+from qexp.core.errors import ConfigError
 from qexp.transforms.base import ModelTransform, TransformConfig, register_transform
 from qexp.transforms.capture import LayerByLayer
 

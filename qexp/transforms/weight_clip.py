@@ -35,8 +35,8 @@ from typing import Callable, List, Tuple
 import torch
 from tqdm import tqdm
 
-from qexp.config import BlockScaleRounding
-from qexp.errors import ConfigError
+from qexp.core.config import BlockScaleRounding
+from qexp.core.errors import ConfigError
 from qexp.quant.lpbq import SCALE_STEPS
 from qexp.transforms.base import GridSearchTransform, TransformConfig, register_transform
 from qexp.transforms.capture import LayerByLayer, input_of

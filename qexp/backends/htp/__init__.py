@@ -11,8 +11,8 @@ import math
 from qexp.backends.base import Backend, PhaseInputs, PhaseResult
 from qexp.backends.htp.config import HtpConfig, ModelMode
 from qexp.backends.registry import register_backend
-from qexp.config import FLOAT_ACTIVATION_SCHEME, KV_8BIT_ANNOTATION, NO_QUANT
-from qexp.errors import ConfigError
+from qexp.core.config import FLOAT_ACTIVATION_SCHEME, KV_8BIT_ANNOTATION, NO_QUANT
+from qexp.core.errors import ConfigError
 
 log = logging.getLogger("qexp")
 
@@ -151,7 +151,7 @@ HTP_LPBQ_BLOCK_SIZES = (16, 32)
 
 
 def _check_lpbq_block_sizes(quant) -> None:
-    from qexp.config import BlockScaleRounding, Granularity
+    from qexp.core.config import BlockScaleRounding, Granularity
 
     sizes = {quant.block_size} if quant.weight_granularity == Granularity.per_block else set()
     sizes |= {o.block_size for o in quant.overrides if o.granularity == Granularity.per_block}

@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from qexp.errors import InputError
+from qexp.core.errors import InputError
 
 log = logging.getLogger("qexp")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 from qexp.models.loaded import LoadedModel
 from qexp.models.static_llama import StaticLlama
 from qexp.quant.calibrate import EXPORT_STRICT, load_observer_statistics, observer_statistics

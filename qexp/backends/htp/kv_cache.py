@@ -1,4 +1,4 @@
-"""The two KV-cache update mechanisms of the seeds' table, as the HTP runner drives them.
+"""ExecuTorch's two KV-cache update mechanisms for HTP (`backend.kv_update`), as the HTP runner drives them.
 
 - SmartMask: one buffer per layer; the new token's K/V is written at its position and the mask unmasks it.
 - ShiftPointer: the cache input is a strided window into a flat buffer with one spare row (K) / head (V); each step

@@ -32,12 +32,12 @@ from qexp.backends.htp.graph import check_one_kv_cache_width, io_bits, io_encodi
 from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
 from qexp.backends.htp.sharding import check_num_sharding, shard_graph
 from qexp.cache import Cache, stable_hash
-from qexp.config import FLOAT_ACTIVATION_SCHEME
+from qexp.core.config import FLOAT_ACTIVATION_SCHEME
 from qexp.models.loaded import LoadedModel
 from qexp.models.static_llama import uses_masked_softmax
 from qexp.quant.calibrate import QuantizedModel
 from qexp.quant.w4_lowering import W4Lowering
-from qexp.timing import StageTimer, release_memory
+from qexp.core.timing import StageTimer, release_memory
 from qexp.upstream.private import (
     executorch_backend_config,
     lazy_graph_module_recompile,
@@ -129,11 +129,11 @@ def compile_pte(
         # Each graph is built where it is lowered: in a compile worker, the worker builds its own graph while this
         # process builds the first (the same function on the same inputs, so the same graph), and no process holds
         # a graph it does not lower.
-        builders = {name: functools.partial(_deploy_graph, model, cfg, name, ar_len, r3, stats, timer)
+        builders = {name: functools.partial(deploy_graph, model, cfg, name, ar_len, r3, stats, timer)
                     for name, ar_len in ar_lens.items()}
         with provenance_without_deep_copies():  # same program, without quadratic copies of node provenance
             workers = compile_workers(backend, len(ar_lens)) if per_graph else 0
-            buffer, delegation, used, graphs = _lower(builders, timer, backend.w4_lowering == W4Lowering.lpbq,
+            buffer, delegation, used, graphs = build_and_lower(builders, timer, backend.w4_lowering == W4Lowering.lpbq,
                                                       workers)
         first = next(iter(graphs.values()))
         (tmp / PTE_FILE).write_bytes(buffer)
@@ -158,7 +158,7 @@ def compile_pte(
     return DeployedProgram(path / PTE_FILE, json.loads((path / META_FILE).read_text()), key, hit)
 
 
-def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, stats: dict, timer: StageTimer) -> dict:
+def deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, stats: dict, timer: StageTimer) -> dict:
     """One graph (kv_forward / prefill_forward): quantized with the calibration's encodings, with its lowering
     passes (upstream's I/O tagging) and compiler spec."""
     from executorch.backends.qualcomm.utils.utils import (
@@ -203,7 +203,7 @@ def _deploy_graph(model: LoadedModel, cfg, name: str, ar_len: int, r3: bool, sta
 
 
 def lower_graphs(graphs: dict, constant_methods=None, generate_etrecord: bool = False):
-    """Deploy graphs (_deploy_graph's dicts, by method name) -> the HTP-delegated EdgeProgramManager, by upstream's
+    """Deploy graphs (deploy_graph's dicts, by method name) -> the HTP-delegated EdgeProgramManager, by upstream's
     one lowering call (one QNN context for all of them); with `generate_etrecord`, the manager keeps the ETRecord
     ExecuTorch's Inspector reads (diagnostics/diag_htp_ops.py)."""
     from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
@@ -245,8 +245,8 @@ def constant_methods_of(graphs: dict) -> dict:
     return methods
 
 
-def _lower(builders: dict, timer: StageTimer, w4_as_lpbq: bool, workers: int = 0):
-    """All graphs, each built by its builder (`_deploy_graph` bound to a graph), into one HTP-delegated program ->
+def build_and_lower(builders: dict, timer: StageTimer, w4_as_lpbq: bool, workers: int = 0):
+    """All graphs, each built by its builder (`deploy_graph` bound to a graph), into one HTP-delegated program ->
     (.pte bytes, delegated / non-delegated node counts per graph, the processes that lowered them at once, each
     graph's `meta` and `encodings`).
     workers >= 1: each graph built and lowered on its own into its own QNN context (qexp/backends/htp/parallel.py),

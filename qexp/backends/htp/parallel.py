@@ -5,7 +5,7 @@ Profiled on SmolLM2 (hybrid, two graphs, 419 s of lowering): 85% of it is ExecuT
 per method (export, decompositions, edge passes, partitioning, op wrappers) and QNN's own graph preparation is ~5%;
 all of it runs on one core, one method after the other. The methods are independent until the program is
 assembled, so with `backend.compile_workers=2` each graph but the first is built and lowered in a forked child
-process (lower._deploy_graph, then `to_edge_transform_and_lower_to_qnn` on that graph alone, with the same passes and
+process (lower.deploy_graph, then `to_edge_transform_and_lower_to_qnn` on that graph alone, with the same passes and
 compiler spec) while the parent builds and lowers the first. The child builds its graph after the fork: the builds
 (~21 s each on SmolLM2) run at once too, and the parent never holds a graph it does not lower. The child sends its
 lowered edge program back through ExecuTorch's own serializer (`executorch.exir.serde`, what ETRecord uses for
@@ -39,7 +39,7 @@ from typing import Callable, Dict
 
 log = logging.getLogger("qexp")
 
-Builder = Callable[[], dict]  # builds one deploy graph (lower._deploy_graph bound to it), where it is lowered
+Builder = Callable[[], dict]  # builds one deploy graph (lower.deploy_graph bound to it), where it is lowered
 
 
 def lower_in_workers(graphs: Dict[str, Builder], lower_one: Callable[[Dict[str, dict]], object]):
@@ -49,7 +49,7 @@ def lower_in_workers(graphs: Dict[str, Builder], lower_one: Callable[[Dict[str, 
     forked children at the same time."""
     from qexp.backends.htp.progress import labels_for, lowering_bars
 
-    from qexp.timing import release_memory
+    from qexp.core.timing import release_memory
 
     names = list(graphs)
     release_memory()  # a forked worker starts with the parent's resident pages: hand back what is free first
@@ -91,7 +91,7 @@ def lower_in_turn(graphs: Dict[str, Builder], lower_one: Callable[[Dict[str, dic
     one after the other in this process, each program without the weights it no longer uses before the next graph
     is built. The lowest peak memory: one graph's lowering (backend.compile_workers=1)."""
     from qexp.backends.htp.progress import lowering_bars
-    from qexp.timing import release_memory
+    from qexp.core.timing import release_memory
 
     programs, infos, seconds = {}, {}, {}
     for name in graphs:

@@ -19,7 +19,7 @@ from qexp.backends.htp.lower import META_FILE, PREFILL_GRAPH, DeployedProgram, c
 from qexp.backends.htp.qnn_sdk import ensure_qnn_sdk
 from qexp.cache import stable_hash
 from qexp.data.windows import Windows
-from qexp.errors import ConfigError, InputError
+from qexp.core.errors import ConfigError, InputError
 from qexp.eval.perplexity import cached_evaluation, evaluate
 
 log = logging.getLogger("qexp")

@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 
 from qexp.cache import Cache, stable_hash
-from qexp.errors import QexpError
+from qexp.core.errors import QexpError
 
 log = logging.getLogger("qexp")
 

@@ -22,7 +22,7 @@ import torch
 from qexp.backends.htp.kv_cache import UPDATERS, UpdateStats
 from qexp.backends.htp.lookahead import LookaheadLayout, lookahead_decode
 from qexp.backends.htp.lower import KV_GRAPH, PREFILL_GRAPH, DeployedProgram
-from qexp.backends.speed import Generation, measure
+from qexp.backends.bench import Generation, measure
 from qexp.upstream.private_runtime import load_program
 
 log = logging.getLogger("qexp")
@@ -205,7 +205,7 @@ def lookahead_layout(runner: "HtpRunner", backend) -> LookaheadLayout:
 
 def measure_speed(runner: "HtpRunner", prompt: Sequence[int], n_new: int, updater: str, warmup: int, repeats: int,
                   lookahead: LookaheadLayout | None = None):
-    """TTFT, prefill and decode tokens/s (qexp/backends/speed.py), plus the KV update cost per decoded token; decoding
+    """TTFT, prefill and decode tokens/s (qexp/backends/bench.py), plus the KV update cost per decoded token; decoding
     is greedy, or lookahead decoding with that layout. Returns (metrics, tokens of the last run)."""
     metrics, last = measure(lambda: _generate(runner, prompt, n_new, updater, lookahead), warmup, max(repeats, 1))
     return metrics, last.tokens

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 
 LAYER_PATTERN = r"^layers\.(\d+)"  # the static llama's decoder layers (module names), where shards are cut
 

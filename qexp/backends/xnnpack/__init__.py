@@ -7,8 +7,8 @@ from __future__ import annotations
 from qexp.backends.base import Backend, PhaseInputs, PhaseResult
 from qexp.backends.registry import register_backend
 from qexp.backends.xnnpack.config import BROKEN_QMODES, GROUPED, QMODES, XnnpackConfig
-from qexp.config import NO_QUANT
-from qexp.errors import ConfigError
+from qexp.core.config import NO_QUANT
+from qexp.core.errors import ConfigError
 
 
 @register_backend

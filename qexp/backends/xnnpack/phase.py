@@ -6,7 +6,7 @@ import logging
 import math
 
 from qexp.backends.base import PhaseInputs, PhaseResult
-from qexp.backends.speed import measure
+from qexp.backends.bench import measure
 from qexp.backends.xnnpack.export import export_program
 from qexp.backends.xnnpack.roofline import decode_bytes_per_token, measured_bandwidth_gbs
 from qexp.backends.xnnpack.runner import XnnpackRunner

@@ -14,7 +14,7 @@ from qexp.cache import Cache, stable_hash
 def measured_bandwidth_gbs(cache: Cache, threads: int, mbytes: int = 256, repeats: int = 5) -> float:
     """This machine's memory bandwidth: best of `repeats` copies of a `mbytes` buffer (read + write bytes / s),
     with the decode's thread count. Cached per CPU model and thread count (a copy benchmark takes ~1 s)."""
-    from qexp.provenance import cpu_model
+    from qexp.core.provenance import cpu_model
 
     def build(tmp: Path) -> dict:
         previous = torch.get_num_threads()

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from qexp.backends.speed import Generation
+from qexp.backends.bench import Generation
 from qexp.backends.xnnpack.export import XnnpackProgram
 from qexp.upstream.private_runtime import load_program, set_runtime_threads
 

@@ -1,4 +1,5 @@
-"""Speed harness shared by every backend that runs for real: TTFT, prefill and decode rates over repeated generations.
+"""The speed bench every backend that runs for real shares: TTFT, prefill and decode rates over repeated generations,
+measured (the phone-speed estimate is qexp/speed/).
 
 A backend supplies `generate() -> Generation`, timed with `time.perf_counter` around its own calls (sub-millisecond;
 runner stats in whole milliseconds are too coarse for a 135M model on CPU). Warm-up generations are discarded; the

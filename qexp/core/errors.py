@@ -47,7 +47,7 @@ def one_line(exc: BaseException) -> tuple[str, int]:
     non-qexp error is raised again instead, traceback and all."""
     import os
 
-    from qexp.tracking.redact import redact_text
+    from qexp.core.redact import redact_text
 
     if isinstance(exc, QexpError):
         return redact_text(f"qexp: error: {exc}"), 2

@@ -9,7 +9,7 @@ from typing import Optional
 import lm_eval.models  # noqa: F401 - lm-eval fills its registry with its own models only while it is empty: first
 from lm_eval.api.registry import register_model
 
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 from qexp.tasks.lm import QexpLM
 from qexp.tasks.programs import PHASES, PhaseProgram, program_of
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List
 
-from qexp.eval.metrics import LOWER, better
-from qexp.sensitivity.config import SelectionConfig
+from qexp.core.metrics import LOWER, better
+from qexp.core.sensitivity_config import SelectionConfig
 
 # each objective -> the trial metric it reads (qexp/search/trial.py); its direction is the metric catalog's
 OBJECTIVE_METRICS = {"ppl": "ppl_vs_fp_selection", "bits": "bits", "decode_tok_s": "decode_tok_s_est"}

@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from qexp.search.config import SearchConfig
-from qexp.sensitivity.config import SensitivityConfig
+from qexp.core.search_config import SearchConfig
+from qexp.core.sensitivity_config import SensitivityConfig
 
 
 class ModelSource(enum.Enum):
@@ -273,7 +273,7 @@ class QexpConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     cache_dir: str = MISSING  # where derived artifacts (dequantized models, calibrated programs) are cached
     cache: CacheConfig = field(default_factory=CacheConfig)
-    device: str = "auto"  # where the torch phases run (qexp/device.py): auto (CUDA if torch sees one), cpu, cuda
+    device: str = "auto"  # where the torch phases run (qexp/core/device.py): auto (CUDA if torch sees one), cpu, cuda
     # Show native libraries' output (QNN compile progress, runtime INFO lines) live instead of only in native.log.
     verbose: bool = False
     # The sensitivity analysis' settings (SensitivityConfig): set by conf/sensitivity.yaml, the config of

@@ -16,11 +16,11 @@ from typing import Dict
 
 from omegaconf import DictConfig, OmegaConf
 
-from qexp.cache import stable_hash
+from qexp.core.hashing import stable_hash
 
 log = logging.getLogger("qexp")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # qexp/core/provenance.py -> the repository
 # Bump when a change makes cached QDQ programs of the same inputs differ.
 QDQ_CACHE_VERSION = 3
 
@@ -65,7 +65,7 @@ def config_hash(cfg: DictConfig) -> str:
 
 
 def _resolved_device(cfg: DictConfig) -> Dict[str, str]:
-    from qexp.device import resolved_name
+    from qexp.core.device import resolved_name
 
     # unchecked: an unknown device, or cuda without one, is refused by validate(), inside the run this hash names
     name = resolved_name(cfg.get("device", "cpu"))
@@ -175,7 +175,7 @@ def fp_eval_key(cfg: DictConfig, model, static, windows, keep_logits: int) -> st
 
 def _device_key(cfg: DictConfig) -> Dict[str, str]:
     """Where a cached evaluation ran: nothing for the CPU (earlier keys stay valid), the GPU for CUDA."""
-    from qexp.device import device_key, run_device
+    from qexp.core.device import device_key, run_device
 
     return device_key(run_device(cfg))
 
@@ -192,7 +192,7 @@ def qdq_cache_key(cfg: DictConfig, model, static, calibration, soc: str, algorit
     """Everything that determines a calibrated QDQ program (the model's fingerprint includes its transforms;
     `algorithms`: fingerprints of the calibration-time ones, e.g. SeqMSE; `device`: where it calibrates, a part only
     for CUDA)."""
-    from qexp.device import device_key
+    from qexp.core.device import device_key
 
     extra = {"calibration_algorithms": list(algorithms)} if algorithms else {}  # keeps earlier keys valid
     extra.update(device_key(device) if device is not None else {})

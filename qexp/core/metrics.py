@@ -6,7 +6,7 @@ every metric it matches (the placeholders' vocabularies are PLACEHOLDERS). The r
 search's objectives and the leaderboard read headers and directions from here, and the tracker checks every name it
 logs against it: a name no entry matches is logged with a warning, and refused outright when QEXP_CHECK_METRICS=1
 (the test suite sets it, so a new metric without its entry fails the test that logs it). CONTRIBUTING.md, "Adding a
-metric", says what to write; docs/metrics.md is this catalog as a table (`python -m qexp.eval.metrics`).
+metric", says what to write; docs/metrics.md is this catalog as a table (`python -m qexp.core.metrics`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ PLACEHOLDERS: Dict[str, str] = {
     "test": "qdq|deployed|fp_transformed",  # the changed side of a comparison
     "ref": "fp|qdq",  # the side it is compared with
     "graph": r"[a-z0-9_]+_forward(?:_shard\d+)?",  # a deployed program's graph (kv_forward, prefill_forward, ...)
-    "stage": r"[a-z0-9_]+",  # a timed stage (qexp/timing.py)
+    "stage": r"[a-z0-9_]+",  # a timed stage (qexp/core/timing.py)
     "ddr": "read_total_bytes|write_total_bytes|fill_bytes|spill_bytes",  # QNN's DDR bandwidth summary
     "sim": r"[a-z_]+",  # QNN's simulated cycles of an SA8797 graph
     "part": "decoder|embedding|lm_head",
@@ -162,7 +162,7 @@ CATALOG: List[Metric] = [
     Metric("lookahead_decode_speedup", "lookahead speedup vs greedy", HIGHER, "ratio", MEASURED),
     # ---- cost of the run
     Metric("time_{stage}_s", "{stage} s", LOWER, "s",
-           doc="wall time of a stage (qexp/timing.py); time_total_s: the run"),
+           doc="wall time of a stage (qexp/core/timing.py); time_total_s: the run"),
     Metric("peak_rss_mb", "peak RSS MiB", LOWER, "MiB"),
     # ---- QAT (transforms/qat.py): summary and loss curves by step
     Metric("qat_{curve}", "QAT {curve}", LOWER, doc="a curve by step (the UI plots it)"),
@@ -236,7 +236,7 @@ def better(name: str) -> str:
     """LOWER, HIGHER or NEITHER for a metric name."""
     metric = lookup(name)
     if metric is None:
-        raise KeyError(f"{name!r} is not in the metric catalog (qexp/eval/metrics.py)")
+        raise KeyError(f"{name!r} is not in the metric catalog (qexp/core/metrics.py)")
     return metric.better
 
 
@@ -249,7 +249,7 @@ def check(names: Iterable[str]) -> None:
     unlisted = sorted(name for name in names if lookup(name) is None)
     if not unlisted:
         return
-    message = (f"metrics not in the catalog (qexp/eval/metrics.py): {', '.join(unlisted)}; add an entry for each "
+    message = (f"metrics not in the catalog (qexp/core/metrics.py): {', '.join(unlisted)}; add an entry for each "
                "(CONTRIBUTING.md, 'Adding a metric')")
     if os.environ.get("QEXP_CHECK_METRICS") == "1":
         raise UnlistedMetricError(message)

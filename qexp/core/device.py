@@ -18,7 +18,7 @@ from typing import Dict, Optional
 
 import torch
 
-from qexp.errors import ConfigError
+from qexp.core.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -163,14 +163,3 @@ def check_fits(dims: Optional[dict], trains: bool, total_gib: float, name: str) 
                           f"for {what} (estimated from its shapes: {static_llama_weights(dims) / 1e9:.2f}B float32 "
                           "weights)", "use a GPU with more memory, device=cpu, or (for QAT) algorithm.qat.device=cpu")
 
-
-def check_gpu_memory(cfg) -> None:
-    """check_fits for a run that resolves to CUDA: the model's shapes from its metadata, the GPU torch sees."""
-    from qexp.models.shapes import model_dims
-
-    wanted = cfg.get("device", "cpu")
-    trains = "qat" in (cfg.get("algorithm") or {}) and resolved_name(cfg.algorithm.qat.get("device", wanted)) == "cuda"
-    if not torch.cuda.is_available() or (resolved_name(wanted) != "cuda" and not trains):
-        return  # no GPU: check_device (or QAT's own check) has said so
-    props = torch.cuda.get_device_properties(0)
-    check_fits(model_dims(cfg.model), trains, props.total_memory / 2**30, props.name)
