@@ -137,6 +137,13 @@ def test_no_import_cycles_between_packages():
     assert not back, "packages that import each other (directly or through others): " + "; ".join(back)
 
 
+def test_core_imports_no_other_package():
+    """qexp/core/ is the bottom layer: every package may import it because it imports none of them."""
+    upward = sorted(f"{module} -> {target}" for module, targets in _import_graph().items() for target in targets
+                    if module.startswith("qexp.core") and not target.startswith("qexp.core"))
+    assert not upward, "qexp/core/ imports another qexp package: " + "; ".join(upward)
+
+
 def test_the_quantization_grid_and_the_speed_model_sit_below_the_algorithms():
     """quant/ (the grid, the recipe, calibration), speed/ and sensitivity/ import nothing from transforms/ (the
     algorithms): the algorithms build on the grid, and the analysis reaches them through the run (qexp.pipeline)."""
