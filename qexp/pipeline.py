@@ -40,20 +40,40 @@ STAGES = ("load", "text", "calibration", "fp", "transform", "qdq", "tasks", "dep
 
 
 # ---------------------------------------------------------------- checks before a run starts
+def _check_run_settings(cfg: DictConfig) -> None:
+    """The run's plain settings (windows, context, cache), which need no model, upstream code or algorithm."""
+    context = cfg.export.max_context_len
+    for key, value in (("eval.seq_len", cfg.eval.seq_len), ("calibration.seq_len", cfg.calibration.seq_len)):
+        if value > context:
+            raise ConfigError(f"{key}={value} exceeds the static graph context export.max_context_len={context}",
+                              f"lower {key} or raise export.max_context_len")
+    if cfg.eval.limit != "all" and not (isinstance(cfg.eval.limit, int) and cfg.eval.limit >= 1):
+        raise ConfigError(f"eval.limit={cfg.eval.limit}", "evaluate at least one window, or eval.limit=all")
+    if cfg.cache.max_gb is not None and cfg.cache.max_gb <= 0:
+        raise ConfigError(f"cache.max_gb={cfg.cache.max_gb}", "use a positive size in GiB, or null for no bound")
+    if cfg.cache.lock_timeout_s is not None and cfg.cache.lock_timeout_s <= 0:
+        raise ConfigError(f"cache.lock_timeout_s={cfg.cache.lock_timeout_s}",
+                          "use a positive number of seconds, or null to wait as long as the building job lives")
+    check_cache_dir(cfg.cache_dir)
+
+
 def validate(cfg: DictConfig, transforms: Optional[List[Any]] = None) -> RunPlan:
     """Reject a bad config before any model is loaded; returns the run's backend and algorithms (`transforms`: those
     already built from cfg.algorithm, checked here rather than built again)."""
-    from qexp.data.text import check_texts
     from qexp.core.device import check_device
     from qexp.models.shapes import check_gpu_memory
-    from qexp.models.static_llama import arch_flags
-    from qexp.models.shapes import linear_shapes
-    from qexp.quant.recipe import check_block_sizes, check_overrides_match, uses_blocks, validate_recipe
-    from qexp.transforms import validate_transforms
 
     check_device(cfg.get("device", "cpu"))  # first: device=cuda on a host without one is one line, before any work
     check_gpu_memory(cfg)  # a GPU too small for the model: one line, before it loads
     backend = get_backend(cfg.backend.name)
+    _check_run_settings(cfg)  # before the checks that import ExecuTorch (~6 s): a typo is refused in seconds
+
+    from qexp.data.text import check_texts
+    from qexp.models.shapes import linear_shapes
+    from qexp.models.static_llama import arch_flags
+    from qexp.quant.recipe import check_block_sizes, check_overrides_match, uses_blocks, validate_recipe
+    from qexp.transforms import validate_transforms
+
     arch_flags(cfg.model.arch)
     validate_recipe(cfg.quant, cfg.observer)
     if uses_blocks(cfg.quant) or cfg.quant.overrides:  # from the model's metadata; the load stage checks again
@@ -77,23 +97,10 @@ def validate(cfg: DictConfig, transforms: Optional[List[Any]] = None) -> RunPlan
         raise ConfigError(f"calibration.limit={cfg.calibration.limit}: calibration data is empty",
                           "use calibration.limit>=1")
     check_texts(cfg.text, cfg.calibration, needs_calibration)  # e.g. text=austen without its Debian package
-    context = cfg.export.max_context_len
-    for key, value in (("eval.seq_len", cfg.eval.seq_len), ("calibration.seq_len", cfg.calibration.seq_len)):
-        if value > context:
-            raise ConfigError(f"{key}={value} exceeds the static graph context export.max_context_len={context}",
-                              f"lower {key} or raise export.max_context_len")
-    if cfg.eval.limit != "all" and not (isinstance(cfg.eval.limit, int) and cfg.eval.limit >= 1):
-        raise ConfigError(f"eval.limit={cfg.eval.limit}", "evaluate at least one window, or eval.limit=all")
     if any(cfg.eval.get(k) for k in ("tasks", "task_paths", "deployed_task_limit", "generation_check")):
         from qexp.tasks.harness import check_tasks
 
         check_tasks(cfg)
-    if cfg.cache.max_gb is not None and cfg.cache.max_gb <= 0:
-        raise ConfigError(f"cache.max_gb={cfg.cache.max_gb}", "use a positive size in GiB, or null for no bound")
-    if cfg.cache.lock_timeout_s is not None and cfg.cache.lock_timeout_s <= 0:
-        raise ConfigError(f"cache.lock_timeout_s={cfg.cache.lock_timeout_s}",
-                          "use a positive number of seconds, or null to wait as long as the building job lives")
-    check_cache_dir(cfg.cache_dir)
     backend.validate(cfg)
     return RunPlan(backend, transforms)
 
