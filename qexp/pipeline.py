@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from qexp.backends import get_backend
 from qexp.cache import Cache, check_cache_dir, stable_hash
-from qexp.core.config import NO_QUANT, QDQ_ONLY_SCHEMES
+from qexp.core.config import NO_QUANT, QDQ_ONLY_SCHEMES, check_scheme
 from qexp.core.device import device_tags
 from qexp.core.errors import ConfigError
 from qexp.core.provenance import config_hash, environment_tags, pin_cpu_numerics
@@ -41,7 +41,10 @@ STAGES = ("load", "text", "calibration", "fp", "transform", "qdq", "tasks", "dep
 
 # ---------------------------------------------------------------- checks before a run starts
 def _check_run_settings(cfg: DictConfig) -> None:
-    """The run's plain settings (windows, context, cache), which need no model, upstream code or algorithm."""
+    """The run's plain settings (scheme name, windows, context, cache), which need no model, upstream code or
+    algorithm."""
+    if cfg.quant.scheme != NO_QUANT:
+        check_scheme(cfg.quant.scheme)
     context = cfg.export.max_context_len
     for key, value in (("eval.seq_len", cfg.eval.seq_len), ("calibration.seq_len", cfg.calibration.seq_len)):
         if value > context:

@@ -82,6 +82,13 @@ NO_QUANT = "fp32"
 FLOAT_ACTIVATION_SCHEME = "fp16a8w"  # float16 activations: no activation encodings
 
 
+def check_scheme(scheme: str) -> None:
+    from qexp.core.errors import ConfigError
+
+    if scheme not in SCHEMES:
+        raise ConfigError(f"unknown quantization scheme {scheme!r}", f"choose one of: {', '.join(SCHEMES)}")
+
+
 @dataclass
 class TinyModelSpec:
     """Shape of the random test model. Small enough that a full quantize + evaluate takes seconds."""

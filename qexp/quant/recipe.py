@@ -12,8 +12,8 @@ import re
 import torch
 
 from qexp import upstream
-from qexp.core.config import (FLOAT_ACTIVATION_SCHEME, NO_QUANT, QDQ_ONLY_SCHEMES, SCHEMES, Granularity, ObserverConfig,
-                         ObserverKind, QuantConfig, WeightRange)
+from qexp.core.config import (FLOAT_ACTIVATION_SCHEME, NO_QUANT, QDQ_ONLY_SCHEMES, Granularity, ObserverConfig,
+                         ObserverKind, QuantConfig, WeightRange, check_scheme)
 from qexp.core.errors import ConfigError
 from qexp.upstream.private_quantize import quantizer_keeping_hadamard_matmul
 
@@ -25,8 +25,7 @@ _GRANULARITY = {
 
 
 def quant_dtype(scheme: str):
-    if scheme not in SCHEMES:
-        raise ConfigError(f"unknown quantization scheme {scheme!r}", f"choose one of: {', '.join(SCHEMES)}")
+    check_scheme(scheme)
     return getattr(upstream.QuantDtype, f"use_{QDQ_ONLY_SCHEMES.get(scheme, scheme)}")
 
 
