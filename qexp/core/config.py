@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from qexp.core.errors import ConfigError
 from qexp.core.search_config import SearchConfig
 from qexp.core.sensitivity_config import SensitivityConfig
 
@@ -83,8 +84,6 @@ FLOAT_ACTIVATION_SCHEME = "fp16a8w"  # float16 activations: no activation encodi
 
 
 def check_scheme(scheme: str) -> None:
-    from qexp.core.errors import ConfigError
-
     if scheme not in SCHEMES:
         raise ConfigError(f"unknown quantization scheme {scheme!r}", f"choose one of: {', '.join(SCHEMES)}")
 
