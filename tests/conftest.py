@@ -43,7 +43,14 @@ if _WORKERS:
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("qexp-cache")
+    """The session's qexp cache, one folder for all pytest workers: what one worker built (a compiled program, the
+    converted SmolLM2) another reads instead of building it again, and a worker that wants an entry another is
+    building waits for it (qexp's cache is made for jobs sharing a folder; tests/test_shared_cache.py). A test that
+    needs a cold cache, or counts what a run adds to one, uses a folder of its own."""
+    base = tmp_path_factory.getbasetemp()
+    # under xdist each worker's basetemp is <session>/popen-gwN: the session folder is their common parent
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "qexp-cache-shared"
+    path.mkdir(exist_ok=True)
     os.environ["QEXP_CACHE_DIR"] = str(path)
     return path
 
@@ -200,3 +207,27 @@ if os.environ.get("QEXP_BUILD_TRACE"):
         return path, hit
 
     Cache.get_or_build = _traced
+
+
+# QEXP_TEST_CPU=<file>: each test's wall seconds and CPU seconds (its worker's own, and the subprocesses it started
+# and reaped: a `python -m qexp`, a sweep, the compile workers) as a JSON line; `scripts/test_profile.py` sums them
+# per file. On a 2-core host the suite is CPU-bound, so CPU seconds, not the wall time under load, say what a test
+# costs (docs/testing-and-benchmarks.md); off by default.
+if os.environ.get("QEXP_TEST_CPU"):
+    import resource
+    import time
+
+    def _cpu(who) -> float:
+        usage = resource.getrusage(who)
+        return usage.ru_utime + usage.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        start = (time.time(), _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN))
+        yield
+        wall, own, children = (time.time() - start[0], _cpu(resource.RUSAGE_SELF) - start[1],
+                               _cpu(resource.RUSAGE_CHILDREN) - start[2])
+        with open(os.environ["QEXP_TEST_CPU"], "a") as out:
+            out.write(json.dumps({"test": item.nodeid, "wall": round(wall, 2), "cpu": round(own, 2),
+                                  "cpu_children": round(children, 2),
+                                  "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")

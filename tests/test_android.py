@@ -69,11 +69,16 @@ def device_files(tmp_path):
             "backend.serial=R5CT000STANDIN"]
 
 
+# lookahead with test_lookahead.py's window and verification candidates: its program, compiled once for both files
+LOOKAHEAD = ["backend.window=3", "backend.gcap=3"]
+
+
 @pytest.mark.parametrize("mode,eval_mode", [("hybrid", 1), ("lookahead", 2)])
 def test_android_run_with_stand_in(compose, store_uri, device_files, monkeypatch, mode, eval_mode):
     RecordingAdbStandIn.commands = []
     monkeypatch.setattr(android_module, "Adb", RecordingAdbStandIn)
-    result = run_experiment(compose(HTP_RUN + device_files + [f"backend.model_mode={mode}"]))
+    extra = LOOKAHEAD if mode == "lookahead" else []
+    result = run_experiment(compose(HTP_RUN + device_files + [f"backend.model_mode={mode}", *extra]))
     run = MlflowClient(store_uri).get_run(result.run_id)
     assert run.data.tags["target"] == "android" and run.data.tags["deployed_eval_path"] == "device_kv"
     pushed = {c[1] for c in RecordingAdbStandIn.commands if c[0] == "push"}
@@ -84,7 +89,7 @@ def test_android_run_with_stand_in(compose, store_uri, device_files, monkeypatch
     assert "--model_path model.pte" in logits_cmd and "--decoder_model_version llama2" in logits_cmd
     speed_cmd = next(s for s in shells if "--prompt" in s)
     assert f"--eval_mode {eval_mode}" in speed_cmd
-    assert ("--ngram 3 --window 2 --gcap 2" in speed_cmd) == (mode == "lookahead")
+    assert ("--ngram 3 --window 3 --gcap 3" in speed_cmd) == (mode == "lookahead")
     m = run.data.metrics
     assert m["ppl_deployed"] == pytest.approx(512, rel=1e-6)  # the stand-in's uniform logits
     assert m["decode_tok_s"] == pytest.approx(123.4) and m["ttft_ms"] == 32 and m["prefill_tok_s"] == 500

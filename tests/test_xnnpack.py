@@ -21,8 +21,12 @@ def _run(compose, overrides):
     return run_experiment(compose(XNN + overrides))
 
 
+# 256-token windows: the fp32 program of tests/test_tasks.py (the same key), compiled once for both files
+FP32 = ["backend.qmode=fp32", "eval.seq_len=256"]
+
+
 def test_fp32_pte_matches_eager(compose, store_uri):
-    result = _run(compose, ["backend.qmode=fp32"])
+    result = _run(compose, FP32)
     m = result.metrics
     # the same function, run by ExecuTorch's llama transformer + XNNPACK instead of the eager static llama
     assert abs(m["ppl_deployed"] / m["ppl_fp"] - 1) < 1e-4
@@ -44,7 +48,7 @@ def test_quantized_pte_close_to_eager(compose, qmode, bound):
 
 
 def test_cached_program_reused(compose):
-    m = _run(compose, ["backend.qmode=fp32"]).metrics
+    m = _run(compose, FP32).metrics
     assert m["time_export_xnnpack_s"] < 5  # the cache hit of the first test's program
 
 
