@@ -52,6 +52,13 @@ EXPECTED_BITS = {  # scheme -> (activation bits, conv weight bits)
 def test_every_scheme_and_observer(setup, compose, tmp_path, scheme, observer):
     static, calibration, windows, fp = setup
     result, qdq, table = _quantize(setup, compose, tmp_path, [f"quant={scheme}", f"observer={observer}"])
+    # the cold program (converted from the graph just calibrated) is the warm one (a fresh graph, the statistics
+    # loaded from the cache), bit for bit
+    cfg = compose(TINY + [f"quant={scheme}", f"observer={observer}"])
+    warm = quantize(static, cfg.quant, cfg.observer, calibration, Cache(tmp_path), key="k", soc="SM8650")
+    assert not result.cache_hit and warm.cache_hit
+    assert torch.equal(window_logits(result.module, static, windows.ids[0]),
+                       window_logits(warm.module, static, windows.ids[0]))
     act_bits, weight_bits = EXPECTED_BITS[scheme]
     activations, weights = table[~table["weight"]], table[table["weight"]]
     if act_bits is None:
