@@ -96,7 +96,8 @@ def test_upstreams_one_process_lowering_gives_the_same_program(deployed, tiny_mo
     and QNN context, shares torch's node provenance instead of deep-copying it, re-exports the converted graph
     non-strict (upstream.private.qnn_reexport_non_strict; ExecuTorch's QNN lowering re-exports with strict=True,
     dynamo) and recompiles GraphModules lazily (upstream.private.lazy_graph_module_recompile: a graph's Python source
-    generated when run, not after every pass; dynamo needs torch's eager GraphModules, so both are off together).
+    generated when run, not after every pass; dynamo needs torch's eager GraphModules, so both are off together) and
+    asks the graph signature about placeholders only (upstream.private.signature_lookups_for_placeholders_only).
     Upstream's one-process lowering with all of them off computes the same program: the same metadata (delegation
     included) and bit-identical emulator outputs of both graphs. QNN's context binary is not byte-reproducible (two
     compiles of the same graph differ in ~0.6% of the tiny .pte's bytes), and one shared context is a few bytes
@@ -107,7 +108,8 @@ def test_upstreams_one_process_lowering_gives_the_same_program(deployed, tiny_mo
 
     cfg, static, qdq, program, runner, windows = deployed
     assert cfg.backend.compile_workers == 2 and program.meta["lowering"]["contexts"] == "per_graph"
-    for name in ("provenance_without_deep_copies", "qnn_reexport_non_strict", "lazy_graph_module_recompile"):
+    for name in ("provenance_without_deep_copies", "qnn_reexport_non_strict", "lazy_graph_module_recompile",
+                 "signature_lookups_for_placeholders_only"):
         monkeypatch.setattr(lower, name, contextlib.nullcontext)
     cfg = cfg.copy()
     cfg.backend.contexts = "shared"  # upstream's one-process lowering: one QNN context for both graphs

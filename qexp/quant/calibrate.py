@@ -80,16 +80,13 @@ def quantize(
                              quant.block_scale_rounding.value, n)
                 stats = on_cpu(observer_statistics(prepared))
             torch.save(stats, tmp / OBSERVERS)
-        if not algorithms:  # calibrating changed its observers only (a calibration-time algorithm may change more)
-            calibrated["graph"] = prepared
+        calibrated.update({} if algorithms else {"graph": prepared})  # an algorithm may change more than observers
         return {"samples": len(calibration.samples), "tokens": calibration.n_tokens}
 
     path, hit = cache.get_or_build("qdq", key, build)
     log.info("QDQ observer statistics %s (%s)", path, "cache hit" if hit else "calibrated")
-    # The program is always converted from the statistics as stored, right after calibrating too: one path, so a
-    # config gives the same numbers cold and warm. Cold, the graph just calibrated takes them (the same graph a fresh
-    # export and prepare would give, its observers set to the same state: tests compare the programs bit for bit),
-    # which saves an export and a prepare (52 of SmolLM2's 133 s); warm, a fresh one.
+    # Converted from the statistics as stored, cold too (one path: the same numbers cold and warm), cold in the graph
+    # just calibrated (no second export and prepare: 52 of SmolLM2's 133 s; tests compare the programs bit for bit).
     stats = torch.load(path / OBSERVERS, weights_only=True)
     with torch.no_grad():
         prepared = calibrated.pop("graph", None) or prepare(static, quant, observer, soc, recompose_hadamard, timer)

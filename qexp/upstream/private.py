@@ -62,6 +62,38 @@ def provenance_without_deep_copies():
         NodeSource.__init__ = original
 
 
+def _placeholders_only(check):
+    def placeholder_check(program, node) -> bool:
+        return node.op == "placeholder" and check(program, node)
+    return placeholder_check
+
+
+@contextlib.contextmanager
+def signature_lookups_for_placeholders_only():
+    """While active, QNN's `is_parameter` (and the get_parameter around it) asks the program's graph signature whether a
+    node is a parameter, buffer or lifted constant only for placeholder nodes.
+
+    Why: its node visitors and passes (AnnotateQuantAttrs, FoldQDQ, define_tensor for every op's every input) ask it
+    of every node, and torch's `ExportGraphSignature.inputs_to_buffers` (and `_parameters`) rebuild a dict of all the
+    program's inputs on each call: py-spy on SmolLM2's kv-graph lowering put ~45% of it in those rebuilds. Only a
+    placeholder can be a lifted input (an FX node's name is unique and the signature names the graph's placeholders),
+    so the answers, and the program, are unchanged (tests/test_htp.py compares the programs lowered with and without
+    it). Private reach: the names `is_param`, `is_buffer`, `is_lifted_tensor_constant` in
+    `executorch.backends.qualcomm.builders.utils`, patched for the block's duration.
+    """
+    from executorch.backends.qualcomm.builders import utils
+
+    names = ("is_param", "is_buffer", "is_lifted_tensor_constant")
+    originals = {name: getattr(utils, name) for name in names}
+    for name, check in originals.items():
+        setattr(utils, name, _placeholders_only(check))
+    try:
+        yield
+    finally:
+        for name, check in originals.items():
+            setattr(utils, name, check)
+
+
 # ---------------------------------------------------------------- ExecuTorch Qualcomm: passes
 def quant_io_passes(meta: dict, arch: str, ar_len: int, context: int, kv_type: torch.dtype, io_type: torch.dtype):
     """The capture-program passes and their dependency table for one static-llama graph, with upstream's I/O tagging

@@ -43,6 +43,7 @@ from qexp.upstream.private import (
     lazy_graph_module_recompile,
     lower_4bit_per_channel_as_lpbq,
     provenance_without_deep_copies,
+    signature_lookups_for_placeholders_only,
     qnn_reexport_non_strict,
     quant_io_passes,
 )
@@ -209,8 +210,8 @@ def lower_graphs(graphs: dict, constant_methods=None, generate_etrecord: bool = 
     from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
 
     # the same graph, traced without dynamo (~120 s of a SmolLM2 graph's ~300 s), its Python source generated only
-    # where it is run (lazy_graph_module_recompile)
-    with qnn_reexport_non_strict(), lazy_graph_module_recompile():
+    # where it is run (lazy_graph_module_recompile), the signature asked about placeholders only
+    with qnn_reexport_non_strict(), lazy_graph_module_recompile(), signature_lookups_for_placeholders_only():
         return to_edge_transform_and_lower_to_qnn(
             module={n: g["module"] for n, g in graphs.items()}, inputs={n: g["inputs"] for n, g in graphs.items()},
             compiler_specs={n: g["spec"] for n, g in graphs.items()}, constant_methods=constant_methods,
